@@ -6,13 +6,17 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import msgspec
 
+from .config import CollectConfig, ConfigError, load
 from .layout.declarations import LAYOUTS
 from .layout.reader import read_snapshot
 from .layout.snapshot import Snapshot
+from .transport.locallog import LogLockedError
+
+C = TypeVar("C", bound=msgspec.Struct)
 
 
 class UsageError(Exception):
@@ -94,6 +98,81 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace, cls: type[C], section: str, names: list[str]) -> C:
+    flags = {name: getattr(args, name) for name in names}
+    try:
+        return load(cls, section, config_file=args.config, flags=flags)
+    except ConfigError as exc:
+        raise UsageError(f"hami-usage {section}: {exc}") from None
+
+
+def _cmd_collect(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import os
+    import socket
+
+    from .node.service import CollectSettings, collect
+    from .transport.kafka import ProducerSettings
+
+    cfg = _settings(args, CollectConfig, "collect", COLLECT_FLAGS)
+    root = Path(cfg.root)
+    if not root.is_dir():
+        raise UsageError(f"hami-usage collect: --root {root}: not a directory")
+    node = cfg.node or os.environ.get("NODE_NAME") or socket.gethostname()
+    kafka = None
+    if cfg.kafka:
+        kafka = ProducerSettings(
+            cfg.kafka, topic=cfg.topic, linger_ms=cfg.linger_ms, compression=cfg.compression
+        )
+    settings = CollectSettings(
+        root=root,
+        node=node,
+        log_dir=Path(cfg.log),
+        kafka=kafka,
+        interval_s=cfg.interval,
+        heartbeat_s=cfg.heartbeat,
+        host_proc=cfg.host_proc,
+        log_max_bytes=cfg.log_max_bytes,
+        fsync=cfg.fsync,
+        max_scans=cfg.max_scans,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        asyncio.run(collect(settings))
+    except LogLockedError as exc:
+        print(f"hami-usage collect: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from .events import json_schema
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "events.schema.json"
+    target.write_bytes(msgspec.json.format(msgspec.json.encode(json_schema()), indent=2) + b"\n")
+    print(f"wrote {target}")
+    return 0
+
+
+COLLECT_FLAGS = [
+    "root",
+    "node",
+    "kafka",
+    "topic",
+    "log",
+    "log_max_bytes",
+    "fsync",
+    "interval",
+    "heartbeat",
+    "host_proc",
+    "linger_ms",
+    "max_scans",
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hami-usage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -113,6 +192,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=_positive(float), default=0.5, help="seconds between steps")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("collect", help="node collector: cache files -> events (local log, Kafka)")
+    p.add_argument("--config", type=Path, help="TOML file; settings in its [collect] table")
+    p.add_argument(
+        "--root", help="folder of <podUID>_<container>/ (default /usr/local/vgpu/containers)"
+    )
+    p.add_argument("--node", help="node name, the Kafka key (default $NODE_NAME, else host name)")
+    p.add_argument(
+        "--kafka", metavar="BOOTSTRAP", help="Kafka bootstrap servers; default: no broker"
+    )
+    p.add_argument("--topic", help="usage topic (default hami.usage.v1)")
+    p.add_argument(
+        "--log",
+        metavar="DIR",
+        help="local log: the events with no broker, the spool "
+        "with --kafka (default /var/lib/hami-usage/events)",
+    )
+    p.add_argument("--log-max-bytes", type=int, help="bound of the local log (default 256 MiB)")
+    p.add_argument("--fsync", action="store_true", default=None, help="fsync the log every scan")
+    p.add_argument("--interval", type=float, help="seconds between scans (default 1)")
+    p.add_argument("--heartbeat", type=float, help="seconds between heartbeats (default 30)")
+    p.add_argument(
+        "--host-proc",
+        metavar="DIR",
+        help="the host's /proc (hostPID): report stale_process for slots whose host pid is gone",
+    )
+    p.add_argument("--linger-ms", type=int, help="Kafka producer linger (default 50)")
+    p.add_argument("--max-scans", type=int, help="stop after this many scans")
+    p.set_defaults(func=_cmd_collect)
+
+    p = sub.add_parser("schema", help="write the event JSON Schema (schemas/events.schema.json)")
+    p.add_argument("--out", default="schemas", help="folder (default schemas)")
+    p.set_defaults(func=_cmd_schema)
     return parser
 
 

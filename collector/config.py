@@ -1,0 +1,110 @@
+"""Typed settings from defaults < TOML file < `HAMI_USAGE_*` environment < flags.
+
+Each command's settings are one msgspec Struct: its fields are the TOML keys (in the section
+named after the command), the env vars (`HAMI_USAGE_` + upper-case name) and the flags
+(`--` + name with '-' for '_'). Validation errors become one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+Positive = Annotated[float, Meta(gt=0)]
+PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+ENV_PREFIX = "HAMI_USAGE_"
+
+
+class ConfigError(Exception):
+    """A setting that cannot be used; the message is one line for stderr."""
+
+
+class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    root: str = "/usr/local/vgpu/containers"
+    node: str = ""  # empty: $NODE_NAME, else the host name
+    kafka: str | None = None  # bootstrap servers; none: the embedded local log
+    topic: str = "hami.usage.v1"
+    log: str = "/var/lib/hami-usage/events"  # the embedded log, or the spool with --kafka
+    log_max_bytes: PositiveInt = 256 * 1024 * 1024
+    fsync: bool = False
+    interval: Positive = 1.0
+    heartbeat: Positive = 30.0
+    host_proc: str | None = None  # e.g. /proc with hostPID, or /host/proc
+    linger_ms: NonNegativeInt = 50
+    compression: str = "gzip"
+    max_scans: PositiveInt | None = None
+
+
+class AggregateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    kafka: str | None = None
+    topic: str = "hami.usage.v1"
+    billing_topic: str = "hami.billing.v1"
+    group: str = "hami-usage-aggregator"
+    log: str = "/var/lib/hami-usage/events"
+    window: Positive = 60.0
+    lateness: Annotated[float, Meta(ge=0)] = 10.0
+    max_gap: Positive = 90.0
+    max_skew: Positive = 300.0
+    csv: str | None = None
+    jsonl: str | None = None
+    otlp: str | None = None  # e.g. http://otel-collector:4318/v1/metrics
+    drain: bool = False
+    state: str = "/var/lib/hami-usage/aggregator"  # checkpoints of the file outputs
+
+
+C = TypeVar("C", bound=msgspec.Struct)
+
+
+def _from_env(cls: type[msgspec.Struct], env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in cls.__struct_fields__:
+        value = env.get(ENV_PREFIX + name.upper())
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _from_toml(path: Path, section: str) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path}: {exc}") from None
+    table = data.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"config {path}: [{section}] must be a table")
+    return table
+
+
+def load(
+    cls: type[C],
+    section: str,
+    *,
+    config_file: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> C:
+    """Merge the sources (later wins) and validate into `cls`."""
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        merged.update(_from_toml(config_file, section))
+    env_values = _from_env(cls, os.environ if env is None else env)
+    merged.update(env_values)
+    merged.update({k: v for k, v in (flags or {}).items() if v is not None})
+    try:
+        # strict=False: environment values are strings ("5", "true") to be converted.
+        return msgspec.convert(merged, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        if "`$." in message:
+            name = message.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+            message = f"{name}: {message.rsplit(' - at ', 1)[0]}"
+        raise ConfigError(f"invalid setting {message}") from None

@@ -1,0 +1,178 @@
+"""The event schema: the one declaration of what the collector sends and the aggregator reads.
+
+msgpack on the wire, array-like structs (field names are not sent), an integer tag per kind.
+Every message starts with its tag and the schema version. Evolution is append-only: new fields
+go at the end with a default, new kinds get a new tag; a tag or a field is never reused.
+`schemas/events.schema.json` is generated from these types (`hami-usage schema`).
+
+Identity and order: `inc` is the collector's incarnation (random at start-up) and `seq` counts
+its messages from 0, so (node, inc, seq) is a deterministic id for de-duplication. `ts` is the
+sample time in unix milliseconds (event time). A container is referred to by `cid`, a small
+number the collector assigns per incarnation; `ContainerAppeared` and every `Heartbeat` state
+what it stands for, so a consumer that starts anywhere converges within one heartbeat.
+Values are absolute, never increments: a duplicate or a replay is harmless.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class DeviceLimit(msgspec.Struct, array_like=True, frozen=True):
+    """A container's entitlement on one device (index into the cache file's device table)."""
+
+    index: int
+    uuid: str
+    limit_bytes: int
+    sm_limit: int
+
+
+class UsageRow(msgspec.Struct, array_like=True, frozen=True):
+    """Absolute usage of one process on one device: the key is (cid, pid, hostpid, device)."""
+
+    pid: int
+    hostpid: int
+    device: int
+    total: int
+    context: int
+    module: int
+    data: int
+    monitor: int  # bytes NVML reports for the process (`monitorused`)
+    sm_util: int  # percent, sampled
+
+
+class ContainerState(msgspec.Struct, array_like=True, frozen=True):
+    """Everything live about one container, restated by each heartbeat."""
+
+    cid: int
+    pod_uid: str
+    container: str
+    layout: str
+    devices: list[DeviceLimit]
+    rows: list[UsageRow]
+
+
+class _Base(msgspec.Struct, array_like=True, frozen=True, tag_field="kind"):
+    v: int
+    inc: int
+    seq: int
+    ts: int
+
+
+class ContainerAppeared(_Base, tag=1, frozen=True):
+    cid: int
+    pod_uid: str
+    container: str
+    path: str
+    layout: str
+    devices: list[DeviceLimit]
+
+
+class ContainerGone(_Base, tag=2, frozen=True):
+    cid: int
+
+
+class ProcessStarted(_Base, tag=3, frozen=True):
+    cid: int
+    pid: int
+    hostpid: int
+
+
+class ProcessExited(_Base, tag=4, frozen=True):
+    cid: int
+    pid: int
+    hostpid: int
+
+
+class UsageSample(_Base, tag=5, frozen=True):
+    """Rows whose values changed since the last scan (absolute values)."""
+
+    cid: int
+    rows: list[UsageRow]
+
+
+class LimitsChanged(_Base, tag=6, frozen=True):
+    cid: int
+    devices: list[DeviceLimit]
+
+
+class LayoutAnomaly(_Base, tag=7, frozen=True):
+    """A reader anomaly (see the inspect contract) or a collector one (`stale_process`,
+    `unreadable`, `skipped_path`, ...). cid is -1 when the file is not a tracked container."""
+
+    cid: int
+    path: str
+    anomaly: str
+    detail: str
+    slot: int | None = None
+    device: int | None = None
+    value: int | None = None
+
+
+class Heartbeat(_Base, tag=8, frozen=True):
+    """Restates live containers. A node's heartbeat is split into parts of bounded size;
+    `part` counts from 0 to `parts - 1`. `interval_ms` is the heartbeat period."""
+
+    interval_ms: int
+    part: int
+    parts: int
+    containers: list[ContainerState]
+    scan_ms: float = 0.0
+    files: int = 0
+    spool_depth: int = 0
+    dropped: int = 0
+
+
+Event = (
+    ContainerAppeared
+    | ContainerGone
+    | ProcessStarted
+    | ProcessExited
+    | UsageSample
+    | LimitsChanged
+    | LayoutAnomaly
+    | Heartbeat
+)
+EVENT_TYPES: tuple[type[Any], ...] = (
+    ContainerAppeared,
+    ContainerGone,
+    ProcessStarted,
+    ProcessExited,
+    UsageSample,
+    LimitsChanged,
+    LayoutAnomaly,
+    Heartbeat,
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(Event)
+
+
+class UnknownSchemaVersion(ValueError):
+    pass
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(payload: bytes) -> Event:
+    """Decode one message. Raises msgspec.DecodeError for undecodable bytes and
+    UnknownSchemaVersion for a version this code does not know."""
+    event = _decoder.decode(payload)
+    if event.v > SCHEMA_VERSION:
+        raise UnknownSchemaVersion(f"schema version {event.v} > {SCHEMA_VERSION}")
+    return event
+
+
+def json_schema() -> dict[str, Any]:
+    """The published JSON Schema of the event union (written to schemas/ by `hami-usage schema`)."""
+    schema: dict[str, Any] = msgspec.json.schema(Event)
+    schema["title"] = "hami.usage.v1 events"
+    schema["description"] = (__doc__ or "").strip()
+    schema["x-schema-version"] = SCHEMA_VERSION
+    return schema

@@ -1,0 +1,128 @@
+"""One collection cycle: discover -> snapshot -> diff -> events (+ heartbeat when due).
+
+Pure CPU and file reads; the service runs `Scanner.scan` in a worker thread so the event loop
+stays free for the transport.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..events import SCHEMA_VERSION, ContainerGone, Event, Heartbeat, LayoutAnomaly
+from ..layout.reader import read_snapshot
+from ..layout.snapshot import Anomaly, empty_snapshot
+from .diff import FileState, diff
+
+HEARTBEAT_PART = 64  # containers per heartbeat message, to keep messages well under 1 MB
+
+
+@dataclass
+class ScanStats:
+    scans: int = 0
+    files: int = 0
+    last_scan_ms: float = 0.0
+    anomalies: int = 0
+    events: int = 0
+
+
+class Scanner:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        heartbeat_s: float,
+        host_proc: str | None = None,
+        inc: int | None = None,
+    ) -> None:
+        from .discover import Discovery
+
+        self.discovery = Discovery(root)
+        self.heartbeat_ms = int(heartbeat_s * 1000)
+        self.host_proc = host_proc
+        self.inc = secrets.randbits(31) if inc is None else inc
+        self.seq = 0
+        self.stats = ScanStats()
+        self._files: dict[tuple[str, int], FileState] = {}
+        self._skipped: set[tuple[str, str]] = set()
+        self._next_cid = 0
+        self._last_heartbeat_ms: int | None = None
+        self._ts = 0
+
+    def _stamp(self, cls: type[Any], **fields: Any) -> Any:
+        event = cls(v=SCHEMA_VERSION, inc=self.inc, seq=self.seq, ts=self._ts, **fields)
+        self.seq += 1
+        return event
+
+    def scan(
+        self, now_ms: int | None = None, *, spool_depth: int = 0, dropped: int = 0
+    ) -> list[Event]:
+        started = time.perf_counter()
+        self._ts = int(time.time() * 1000) if now_ms is None else now_ms
+        events: list[Event] = []
+        found, skipped = self.discovery.scan()
+
+        skipped_now = {(s.path, s.reason) for s in skipped}
+        for path, reason in sorted(skipped_now - self._skipped):
+            events.append(
+                self._stamp(LayoutAnomaly, cid=-1, path=path, anomaly="skipped_path", detail=reason)
+            )
+        self._skipped = skipped_now
+
+        present: dict[tuple[str, int], FileState] = {}
+        for f in found:
+            key = (f.path, f.ino)
+            st = self._files.get(key)
+            if st is None:
+                st = FileState(self._next_cid, f.pod_uid, f.container, f.path)
+                self._next_cid += 1
+            try:
+                snap = read_snapshot(f.path)
+            except OSError as exc:
+                # Vanished between listing and open, or unreadable: the anomaly says which.
+                if not st.appeared and isinstance(exc, FileNotFoundError):
+                    continue
+                snap = empty_snapshot(f.path, 0, [Anomaly("unreadable", f"open: {exc.strerror}")])
+            events += diff(st, snap, self._stamp, host_proc=self.host_proc)
+            present[key] = st
+        for key in sorted(self._files.keys() - present.keys()):
+            gone = self._files[key]
+            if gone.appeared:
+                events.append(self._stamp(ContainerGone, cid=gone.cid))
+        self._files = present
+
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        self.stats.scans += 1
+        self.stats.files = len(present)
+        self.stats.last_scan_ms = elapsed_ms
+        self.stats.anomalies += sum(isinstance(e, LayoutAnomaly) for e in events)
+        if (
+            self._last_heartbeat_ms is None
+            or self._ts - self._last_heartbeat_ms >= self.heartbeat_ms
+        ):
+            self._last_heartbeat_ms = self._ts
+            events += self._heartbeat(elapsed_ms, spool_depth, dropped)
+        self.stats.events += len(events)
+        return events
+
+    def _heartbeat(self, scan_ms: float, spool_depth: int, dropped: int) -> list[Event]:
+        states = [st.state() for _, st in sorted(self._files.items()) if st.appeared]
+        parts = [states[i : i + HEARTBEAT_PART] for i in range(0, len(states), HEARTBEAT_PART)]
+        parts = parts or [[]]
+        return [
+            self._stamp(
+                Heartbeat,
+                interval_ms=self.heartbeat_ms,
+                part=i,
+                parts=len(parts),
+                containers=part,
+                scan_ms=round(scan_ms, 3),
+                files=len(self._files),
+                spool_depth=spool_depth,
+                dropped=dropped,
+            )
+            for i, part in enumerate(parts)
+        ]

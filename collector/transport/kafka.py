@@ -1,0 +1,147 @@
+"""Kafka producer side: forward the collector's local log to the usage topic.
+
+Every event is appended to the local log first (the write-ahead spool), and this forwarder
+sends it on. While the broker is away, events simply stay in the log; when it returns they
+drain in order. The spool offset is committed only up to the last contiguously acknowledged
+record, so nothing accepted is lost and nothing is sent twice in the normal course.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+
+from .locallog import LocalLog, LogReader
+
+log = logging.getLogger(__name__)
+
+FORWARDER_GROUP = "kafka-forwarder"
+
+
+@dataclass(frozen=True)
+class ProducerSettings:
+    bootstrap: str
+    topic: str = "hami.usage.v1"
+    linger_ms: int = 50
+    compression: str = "gzip"
+    request_timeout_ms: int = 10_000
+    batch_records: int = 1000
+
+
+@dataclass
+class ForwarderStats:
+    sent: int = 0
+    send_failures: int = 0
+    reconnects: int = 0
+
+
+def make_producer(s: ProducerSettings) -> AIOKafkaProducer:
+    return AIOKafkaProducer(
+        bootstrap_servers=s.bootstrap,
+        enable_idempotence=True,  # implies acks=all; no duplicates from the producer's retries
+        linger_ms=s.linger_ms,
+        compression_type=s.compression,
+        request_timeout_ms=s.request_timeout_ms,
+        client_id="hami-usage-collector",
+    )
+
+
+class KafkaForwarder:
+    def __init__(self, settings: ProducerSettings, spool: LocalLog, spool_dir: Path) -> None:
+        self.settings = settings
+        self.spool = spool
+        self.reader = LogReader(spool_dir)
+        self.stats = ForwarderStats()
+        self.connected = False
+        self._producer: AIOKafkaProducer | None = None
+        self._wake = asyncio.Event()
+        committed = self.reader.committed(FORWARDER_GROUP)
+        self._offset = committed[0] if committed else spool.first_offset
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def depth(self) -> int:
+        """Records in the spool not yet acknowledged by the broker."""
+        return max(0, self.spool.next_offset - self._offset)
+
+    async def _ensure_producer(self) -> AIOKafkaProducer:
+        if self._producer is not None:
+            return self._producer
+        async for attempt in AsyncRetrying(
+            wait=wait_exponential(multiplier=0.2, max=5),
+            retry=retry_if_exception_type(KafkaError),
+            before_sleep=lambda rs: log.warning("kafka unreachable, retrying: %s", rs.outcome),
+        ):
+            with attempt:
+                producer = make_producer(self.settings)
+                try:
+                    await producer.start()
+                except BaseException:
+                    await producer.stop()
+                    raise
+        self._producer = producer
+        self.connected = True
+        self.stats.reconnects += 1
+        return producer
+
+    async def _drop_producer(self) -> None:
+        # After a failed batch the idempotent session may be out of step: start a fresh one.
+        producer, self._producer = self._producer, None
+        self.connected = False
+        if producer is not None:
+            with contextlib.suppress(KafkaError, TimeoutError):
+                await asyncio.wait_for(producer.stop(), timeout=5)
+
+    async def forward_once(self) -> int:
+        """Send what the spool holds beyond the committed offset; returns records acknowledged."""
+        self.spool.flush()
+        records = self.reader.read(self._offset, self.settings.batch_records)
+        if not records:
+            return 0
+        producer = await self._ensure_producer()
+        acked = self._offset
+        try:
+            futures = [
+                await producer.send(self.settings.topic, value=r.value, key=r.key) for r in records
+            ]
+            for r, fut in zip(records, futures, strict=True):
+                await fut
+                acked = r.offset + 1
+        except KafkaError as exc:
+            self.stats.send_failures += 1
+            log.warning("kafka send failed after %d records: %s", acked - self._offset, exc)
+            await self._drop_producer()
+        done = acked - self._offset
+        if done:
+            self.reader.commit(FORWARDER_GROUP, acked)
+            self.spool.release_before(acked)
+            self._offset = acked
+            self.stats.sent += done
+        return done
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            sent = await self.forward_once()
+            if sent == 0:
+                self._wake.clear()
+                delay = 0.2 if self.connected else 1.0
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+
+    async def drain(self, timeout_s: float) -> None:
+        """On shutdown: send what can be sent within the timeout; the rest stays spooled."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while await self.forward_once():
+                    pass
+        except TimeoutError:
+            log.warning("shutdown: %d records stay in the spool for the next start", self.depth())
+        await self._drop_producer()
