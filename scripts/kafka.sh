@@ -6,6 +6,9 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 KAFKA_HOME="${KAFKA_HOME:-$ROOT/.kafka}"
+# Empty: the version pinned in kafka-pom.xml. A data dir formatted by a newer version
+# cannot be opened by an older one: use another KAFKA_HOME (or reset) when going down.
+KAFKA_VERSION="${KAFKA_VERSION:-}"
 KAFKA_PORT="${KAFKA_PORT:-19092}"
 KAFKA_CONTROLLER_PORT="${KAFKA_CONTROLLER_PORT:-19093}"
 KAFKA_START_TIMEOUT="${KAFKA_START_TIMEOUT:-90}"
@@ -20,7 +23,7 @@ CONF="$KAFKA_HOME/config"
 PIDFILE="$KAFKA_HOME/kafka.pid"
 LOG="$KAFKA_HOME/kafka.log"
 ADDR="127.0.0.1:$KAFKA_PORT"
-# Fixed so that a reformatted data dir looks like the same cluster to old clients.
+# Any valid id will do; a fixed one saves a JVM run of "StorageTool random-uuid".
 CLUSTER_ID="MkU3OEVBNTcwNTJENDM2Qk"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 [[ -x "$PYTHON" ]] || PYTHON=python3
@@ -28,13 +31,16 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 say() { echo "kafka.sh: $*" >&2; }
 
 install() {
-    # The copied pom is the "installed" marker: editing the pom (e.g. the version) reinstalls.
-    if cmp -s "$POM" "$LIBS/.pom" 2>/dev/null; then return; fi
-    say "fetching Kafka jars into $LIBS"
+    # Installed = libs fetched for this exact pom + override; editing either reinstalls.
+    local want
+    want="$(cat "$POM"; echo "override=$KAFKA_VERSION")"
+    if [[ -f "$LIBS/.installed" && "$(cat "$LIBS/.installed")" == "$want" ]]; then return; fi
+    say "fetching Kafka ${KAFKA_VERSION:-(pom version)} jars into $LIBS"
     local tmp="$KAFKA_HOME/libs.tmp"
     rm -rf "$tmp"
-    mvn -q -B -Dstyle.color=never -f "$POM" dependency:copy-dependencies -DoutputDirectory="$tmp" >&2
-    cp "$POM" "$tmp/.pom"
+    mvn -q -B -Dstyle.color=never -f "$POM" ${KAFKA_VERSION:+-Dkafka.version="$KAFKA_VERSION"} \
+        dependency:copy-dependencies -DoutputDirectory="$tmp" >&2
+    printf '%s\n' "$want" >"$tmp/.installed"
     rm -rf "$LIBS"
     mv "$tmp" "$LIBS"
 }
@@ -45,7 +51,7 @@ running() {
     local p
     p="$(pid)" || return 1
     # Guard against a stale pid file whose pid now belongs to something else.
-    grep -qa kafka.Kafka "/proc/$p/cmdline" 2>/dev/null
+    grep -qa kafka.Kafka "/proc/$p/cmdline" 2>/dev/null || return 1
 }
 
 write_config() {
@@ -73,8 +79,11 @@ share.coordinator.state.topic.min.isr=1
 offsets.topic.num.partitions=1
 transaction.state.log.num.partitions=1
 group.initial.rebalance.delay.ms=0
-# Faster registration/unfencing at startup and faster controlled shutdown.
+# Faster registration/unfencing at startup and faster controlled shutdown. Before 4.x
+# releases that accept re-registration after a clean shutdown, a restart is also refused
+# with DUPLICATE_BROKER_REGISTRATION until the old session times out (default 9 s).
 broker.heartbeat.interval.ms=500
+broker.session.timeout.ms=3000
 EOF
     cat >"$CONF/log4j2.properties" <<'EOF'
 appender.out.type = Console

@@ -4,7 +4,6 @@ import re
 import uuid
 
 import pytest
-
 from broker import bootstrap
 
 

@@ -11,7 +11,6 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import OffsetAndMetadata, OffsetAndTimestamp, TopicPartition
-
 from broker import start_broker, stop_broker
 
 pytestmark = pytest.mark.kafka
@@ -42,7 +41,8 @@ async def fetch(consumer: AIOKafkaConsumer, tp: TopicPartition) -> list[Consumer
     async with asyncio.timeout(30):
         while True:
             if tp in consumer.assignment():
-                batch = (await consumer.getmany(tp, timeout_ms=200)).get(tp)
+                fetched = await consumer.getmany(tp, timeout_ms=200)
+                batch: list[ConsumerRecord] = fetched.get(tp, [])
                 if batch:
                     return batch
             else:
@@ -97,10 +97,11 @@ async def test_transactions_with_consumer_offsets(kafka_bootstrap: str, kafka_to
         kafka_bootstrap, src, group_id=group, isolation_level="read_committed", max_poll_records=5
     )
     t0 = time.monotonic()
-    await txp.start()  # FindCoordinator + InitProducerId; creates __transaction_state on first use
-    print(f"transactional producer start took {time.monotonic() - t0:.2f}s")
     async with txp, src_consumer:
+        # start() already waited for FindCoordinator + InitProducerId, which creates
+        # __transaction_state on a fresh broker.
         await txp.begin_transaction()
+        print(f"transactional producer ready after {time.monotonic() - t0:.2f}s")
         batch = await fetch(src_consumer, src_tp)
         assert [r.value for r in batch] == [f"in-{i}".encode() for i in range(5)]
         for r in batch:
