@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: starts the real Kafka broker the tests use, then pytest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+bash scripts/kafka.sh start >/dev/null
+exec .venv/bin/pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,676 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from collector.transport import locallog
+from collector.transport.locallog import (
+    FRAME_OVERHEAD,
+    CorruptCheckpointError,
+    LocalLog,
+    LogLockedError,
+    LogReader,
+    LogRecord,
+)
+
+KEY = b"k"
+# Records of the fixed-size tests: 26 bytes of frame head + 1 key byte + 48 value bytes.
+FRAME = FRAME_OVERHEAD + 1 + 48
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def value(i: int) -> bytes:
+    return i.to_bytes(8, "big") * 6
+
+
+def record(i: int) -> LogRecord:
+    return LogRecord(offset=i, timestamp_ms=1000 + i, key=KEY, value=value(i))
+
+
+def fill(log: LocalLog, start: int, stop: int) -> None:
+    for i in range(start, stop):
+        assert log.append(KEY, value(i), 1000 + i) == i
+
+
+def segment_path(directory: Path, base: int) -> Path:
+    return directory / f"{base:020d}.log"
+
+
+def segment_bases(directory: Path) -> list[int]:
+    return sorted(int(p.name[:20]) for p in directory.glob("*.log"))
+
+
+def read_all(reader: LogReader, batch: int = 1000) -> list[LogRecord]:
+    out: list[LogRecord] = []
+    pos = 0
+    while True:
+        got = reader.read(pos, batch)
+        if not got:
+            return out
+        out.extend(got)
+        pos = got[-1].offset + 1
+
+
+def test_frame_size_matches_layout() -> None:
+    assert FRAME_OVERHEAD == 4 + 4 + 8 + 8 + 2
+    assert FRAME == 75
+
+
+def test_round_trip_across_segment_rolls(tmp_path: Path) -> None:
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
+        fill(log, 0, 50)
+        assert log.next_offset == 50
+        assert log.first_offset == 0
+    assert segment_bases(tmp_path) == list(range(0, 50, 4))
+    assert [segment_path(tmp_path, b).stat().st_size for b in range(0, 48, 4)] == [4 * FRAME] * 12
+    assert segment_path(tmp_path, 48).stat().st_size == 2 * FRAME
+
+    reader = LogReader(tmp_path)
+    assert read_all(reader, batch=7) == [record(i) for i in range(50)]
+    assert reader.read(13, 5) == [record(i) for i in range(13, 18)]
+    assert reader.read(49) == [record(49)]
+    assert reader.read(50) == []
+    assert reader.read(500) == []
+    assert reader.end_offset() == 50
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=0, missing_records=0)
+
+
+def test_random_access_inside_a_large_segment(tmp_path: Path) -> None:
+    # Far more than one index interval, so reads start from the sparse index or the cursor.
+    with LocalLog(tmp_path) as log:
+        fill(log, 0, 3000)
+    reader = LogReader(tmp_path)
+    for start in (2999, 0, 1500, 1499, 2222, 7, 1501):
+        assert reader.read(start, 3) == [record(i) for i in range(start, min(start + 3, 3000))]
+    assert read_all(reader, batch=333) == [record(i) for i in range(3000)]
+
+
+def test_reopen_continues_offsets(tmp_path: Path) -> None:
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
+        fill(log, 0, 10)
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
+        assert log.next_offset == 10
+        assert log.first_offset == 0
+        assert log.stats.torn_tail_bytes == 0
+        fill(log, 10, 13)
+    assert read_all(LogReader(tmp_path)) == [record(i) for i in range(13)]
+    assert segment_bases(tmp_path) == [0, 4, 8, 12]
+
+
+def test_empty_log(tmp_path: Path) -> None:
+    reader = LogReader(tmp_path / "not-yet")
+    assert reader.read(0) == []
+    assert reader.end_offset() == 0
+    assert reader.offset_for_time(0) == 0
+    with LocalLog(tmp_path / "not-yet") as log:
+        assert (log.first_offset, log.next_offset) == (0, 0)
+    assert reader.read(0) == []
+    assert reader.end_offset() == 0
+
+
+def test_unflushed_records_are_invisible_until_flush(tmp_path: Path) -> None:
+    reader = LogReader(tmp_path)
+    with LocalLog(tmp_path) as log:
+        fill(log, 0, 3)
+        assert reader.read(0) == []
+        log.flush()
+        assert reader.read(0) == [record(0), record(1), record(2)]
+
+
+def _last_segment_with_three_records(directory: Path) -> tuple[Path, bytes]:
+    with LocalLog(directory, segment_bytes=4 * FRAME) as log:
+        fill(log, 0, 11)  # segments 0 (0-3), 4 (4-7), 8 (8-10)
+    path = segment_path(directory, 8)
+    return path, path.read_bytes()
+
+
+def _assert_recovered(directory: Path, torn: int) -> None:
+    with LocalLog(directory, segment_bytes=4 * FRAME) as log:
+        assert log.stats.torn_tail_bytes == torn
+        assert log.next_offset == 10
+        assert segment_path(directory, 8).stat().st_size == 2 * FRAME
+        assert read_all(LogReader(directory)) == [record(i) for i in range(10)]
+        assert log.append(KEY, value(10), 1010) == 10
+    assert read_all(LogReader(directory)) == [record(i) for i in range(11)]
+
+
+def test_torn_tail_cut_at_every_byte_of_the_last_frame(tmp_path: Path) -> None:
+    path, pristine = _last_segment_with_three_records(tmp_path)
+    last_frame = 2 * FRAME
+    assert len(pristine) == 3 * FRAME
+    for cut in range(last_frame, len(pristine)):
+        path.write_bytes(pristine[:cut])
+        _assert_recovered(tmp_path, torn=cut - last_frame)
+
+
+def test_torn_tail_garbage_in_every_byte_of_the_last_frame(tmp_path: Path) -> None:
+    path, pristine = _last_segment_with_three_records(tmp_path)
+    last_frame = 2 * FRAME
+    for i in range(last_frame, len(pristine)):
+        damaged = bytearray(pristine)
+        damaged[i] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        _assert_recovered(tmp_path, torn=FRAME)
+
+
+def test_torn_tail_wrong_offset_zeros_and_junk(tmp_path: Path) -> None:
+    path, pristine = _last_segment_with_three_records(tmp_path)
+    two_frames = pristine[: 2 * FRAME]
+    # A crc-valid frame that repeats offset 9 where 10 belongs.
+    path.write_bytes(two_frames + pristine[FRAME : 2 * FRAME])
+    _assert_recovered(tmp_path, torn=FRAME)
+    # Power loss without fsync can leave zero-filled blocks.
+    path.write_bytes(two_frames + bytes(4096))
+    _assert_recovered(tmp_path, torn=4096)
+    path.write_bytes(two_frames + b"\x07" * 37)
+    _assert_recovered(tmp_path, torn=37)
+
+
+def test_whole_newest_segment_torn(tmp_path: Path) -> None:
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
+        fill(log, 0, 9)  # offset 8 alone in segment 8
+    path = segment_path(tmp_path, 8)
+    path.write_bytes(path.read_bytes()[:10])
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
+        assert log.stats.torn_tail_bytes == 10
+        assert log.next_offset == 8
+        assert log.append(KEY, value(8), 1008) == 8
+    assert read_all(LogReader(tmp_path)) == [record(i) for i in range(9)]
+
+
+_CHILD = """
+import sys
+from pathlib import Path
+from collector.transport.locallog import LocalLog
+
+log = LocalLog(Path(sys.argv[1]), segment_bytes=4096)
+i = 0
+while True:
+    offset = log.append(b"k", i.to_bytes(8, "big") * 6, 1000 + i)
+    log.flush()
+    print(offset, flush=True)
+    i += 1
+"""
+
+
+def test_sigkill_mid_append_loses_nothing_flushed(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path)], stdout=subprocess.PIPE, env=env
+    )
+    assert child.stdout is not None
+    reported = -1
+    try:
+        while reported < 2000:  # spans dozens of 4 KiB segments
+            line = child.stdout.readline()
+            assert line, "child exited early"
+            assert int(line) == reported + 1
+            reported += 1
+        with pytest.raises(LogLockedError):
+            LocalLog(tmp_path)
+        child.send_signal(signal.SIGKILL)
+        # Offsets the child printed before it died are flushed too.
+        for line in child.stdout:
+            assert int(line) == reported + 1
+            reported += 1
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+
+    with LocalLog(tmp_path, segment_bytes=4096) as log:
+        survived = log.next_offset
+        assert survived >= reported + 1
+        records = read_all(LogReader(tmp_path))
+        assert records == [record(i) for i in range(survived)]
+        assert log.append(KEY, value(survived), 1000 + survived) == survived
+    assert read_all(LogReader(tmp_path))[-1] == record(survived)
+
+
+def test_bound_without_checkpoint_rejects_and_counts(tmp_path: Path) -> None:
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME, max_bytes=10 * FRAME) as log:
+        fill(log, 0, 10)
+        for i in range(10, 15):
+            assert log.append(KEY, value(i), 1000 + i) is None
+        assert log.append(KEY, bytes(11 * FRAME), 0) is None  # could never fit
+        assert log.stats.rejected_records == 6
+        assert log.stats.rejected_bytes == 5 * FRAME + FRAME_OVERHEAD + 1 + 11 * FRAME
+        assert log.stats.reclaimed_bytes == 0
+        assert log.stats.appended_records == 10
+        assert (log.first_offset, log.next_offset) == (0, 10)
+        assert log.retain_from() is None
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.log")) == 10 * FRAME
+    assert read_all(LogReader(tmp_path)) == [record(i) for i in range(10)]
+
+
+def test_bound_reclaims_segments_consumers_are_done_with(tmp_path: Path) -> None:
+    reader = LogReader(tmp_path)
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME, max_bytes=10 * FRAME) as log:
+        fill(log, 0, 10)  # segments 0 (0-3), 4 (4-7), 8 (8-9): the bound is full
+        assert log.append(KEY, value(10), 1010) is None
+        reader.commit("agg", 8)
+        assert log.retain_from() == 8
+        fill(log, 10, 11)  # needs only segment 0 to go
+        assert log.stats.reclaimed_bytes == 4 * FRAME
+        assert segment_bases(tmp_path) == [4, 8]
+        fill(log, 11, 14)  # rolls to segment 12, fills the bound again
+        fill(log, 14, 15)  # segment 4 lies below 8 as well
+        assert log.stats.reclaimed_bytes == 8 * FRAME
+        assert segment_bases(tmp_path) == [8, 12]
+        fill(log, 15, 18)
+        # Segment 8 holds offsets 8-11, and "agg" still needs offset 8.
+        assert log.append(KEY, value(18), 1018) is None
+        assert log.stats.rejected_records == 2
+        assert log.stats.rejected_bytes == 2 * FRAME
+
+        # 16 and 17 are still in the write buffer, so no consumer can have read them: the
+        # checkpoint only counts up to what reached the disk.
+        reader.commit("agg", 18)
+        assert log.retain_from() == 16
+        fill(log, 18, 19)
+        assert segment_bases(tmp_path) == [12, 16]
+        assert log.first_offset == 12
+
+        # The lowest checkpoint of all groups decides.
+        reader.commit("billing", 12)
+        fill(log, 19, 22)  # segments 12, 16 and 20: full again
+        assert log.append(KEY, value(22), 1022) is None
+        reader.commit("billing", 16)
+        fill(log, 22, 23)
+        assert log.stats.rejected_records == 3
+        assert log.stats.reclaimed_bytes == 16 * FRAME
+        assert segment_bases(tmp_path) == [16, 20]
+        assert (log.first_offset, log.next_offset) == (16, 23)
+    assert reader.read(0) == [record(i) for i in range(16, 23)]
+    assert reader.stats.missing_records == 16
+
+
+def test_bound_smaller_than_a_segment_reclaims_the_active_one(tmp_path: Path) -> None:
+    reader = LogReader(tmp_path)
+    with LocalLog(tmp_path, segment_bytes=100 * FRAME, max_bytes=4 * FRAME) as log:
+        fill(log, 0, 4)
+        reader.commit("spool", 1000)  # stale: counts only up to what reached the disk
+        assert log.append(KEY, value(4), 1004) is None
+        log.flush()
+        reader.commit("spool", 4)
+        fill(log, 4, 5)
+        assert segment_bases(tmp_path) == [4]
+        assert log.stats.reclaimed_bytes == 4 * FRAME
+        assert log.stats.rejected_records == 1
+    assert reader.read(4) == [record(4)]
+
+
+def test_corrupt_checkpoint_keeps_everything(tmp_path: Path) -> None:
+    reader = LogReader(tmp_path)
+    with LocalLog(tmp_path, segment_bytes=2 * FRAME, max_bytes=4 * FRAME) as log:
+        fill(log, 0, 4)
+        reader.commit("good", 4)
+        (tmp_path / "consumers" / "broken.json").write_bytes(b'{"offset": ')
+        assert log.retain_from() == 0
+        assert log.append(KEY, value(4), 1004) is None
+        assert segment_bases(tmp_path) == [0, 2]
+    with pytest.raises(CorruptCheckpointError):
+        reader.committed("broken")
+
+
+def test_release_before_deletes_only_whole_sealed_segments(tmp_path: Path) -> None:
+    reader = LogReader(tmp_path)
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
+        fill(log, 0, 11)
+        log.flush()
+        assert read_all(reader) == [record(i) for i in range(11)]
+        assert log.release_before(3) == 0
+        assert log.release_before(6) == 4 * FRAME
+        assert segment_bases(tmp_path) == [4, 8]
+        assert log.release_before(1000) == 4 * FRAME  # never the active segment
+        assert segment_bases(tmp_path) == [8]
+        assert (log.first_offset, log.next_offset) == (8, 11)
+    # The reader had cached state for the deleted segments.
+    assert reader.read(0) == [record(8), record(9), record(10)]
+    assert reader.stats.missing_records == 8
+    assert reader.read(2, 1) == [record(8)]
+    assert reader.stats.missing_records == 8  # the same gap is counted once
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
+        assert (log.first_offset, log.next_offset) == (8, 11)
+
+
+def test_partial_frame_at_the_tail_is_not_written_yet(tmp_path: Path) -> None:
+    whole = tmp_path / "whole"
+    with LocalLog(whole) as log:
+        fill(log, 0, 4)
+    fourth = segment_path(whole, 0).read_bytes()[3 * FRAME :]
+    growing = tmp_path / "growing"
+    with LocalLog(growing) as log:
+        fill(log, 0, 3)
+    reader = LogReader(growing)
+    path = segment_path(growing, 0)
+    for split in (1, 4, 8, 26, 30, FRAME - 1):
+        with path.open("r+b") as f:
+            f.truncate(3 * FRAME)
+            f.seek(3 * FRAME)
+            f.write(fourth[:split])
+        assert reader.read(0) == [record(0), record(1), record(2)]
+        assert reader.read(3) == []
+        assert reader.end_offset() == 3
+    with path.open("ab") as f:
+        f.write(fourth[FRAME - 1 :])
+    assert reader.read(3) == [record(3)]
+    assert reader.end_offset() == 4
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=0, missing_records=0)
+
+
+def test_corrupt_frame_in_a_sealed_segment_is_skipped_and_counted(tmp_path: Path) -> None:
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
+        fill(log, 0, 11)
+    path = segment_path(tmp_path, 4)
+    damaged = bytearray(path.read_bytes())
+    damaged[FRAME + 40] ^= 0x01  # inside offset 5
+    path.write_bytes(bytes(damaged))
+
+    reader = LogReader(tmp_path)
+    expected = [record(i) for i in (0, 1, 2, 3, 4, 8, 9, 10)]
+    assert read_all(reader, batch=3) == expected
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=1, missing_records=3)
+    assert reader.read(6) == [record(8), record(9), record(10)]
+    assert read_all(reader) == expected
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=1, missing_records=3)
+
+    # A sealed segment cut short is corrupt as well, not "not written yet".
+    path = segment_path(tmp_path, 0)
+    path.write_bytes(path.read_bytes()[: 2 * FRAME + 10])
+    reader = LogReader(tmp_path)
+    assert [r.offset for r in read_all(reader)] == [0, 1, 4, 8, 9, 10]
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=2, missing_records=5)
+
+
+def test_reader_in_parallel_with_writer(tmp_path: Path) -> None:
+    total = 3000
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with LocalLog(tmp_path, segment_bytes=1000) as log:
+                for i in range(total):
+                    assert log.append(KEY, value(i), 1000 + i) == i
+                    if i % 7 == 0:
+                        log.flush()
+        except BaseException as exc:
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reader = LogReader(tmp_path)
+    pos = 0
+    try:
+        while pos < total and not errors:
+            for r in reader.read(pos, 100):
+                assert r == record(pos)
+                pos += 1
+    finally:
+        writer.join()
+    assert not errors
+    assert pos == total
+    assert reader.end_offset() == total
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=0, missing_records=0)
+
+
+def test_spool_drain_in_parallel_reclaims_without_losing_records(tmp_path: Path) -> None:
+    total = 2000
+    bound = 40 * FRAME
+    reader = LogReader(tmp_path)
+    reader.commit("drain", 0)  # the drainer's group exists before the writer needs space
+    errors: list[BaseException] = []
+    rejected: list[int] = []
+    peak: list[int] = [0]
+
+    def write() -> None:
+        try:
+            with LocalLog(tmp_path, segment_bytes=10 * FRAME, max_bytes=bound) as log:
+                i = 0
+                while i < total:
+                    if log.append(KEY, value(i), 1000 + i) is None:
+                        log.flush()  # the drainer can only commit what it can see
+                        time.sleep(0.0002)
+                        continue
+                    i += 1
+                    if i % 5 == 0:
+                        log.flush()
+                    peak[0] = max(peak[0], sum(p.stat().st_size for p in tmp_path.glob("*.log")))
+                rejected.append(log.stats.rejected_records)
+        except BaseException as exc:
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    pos = committed = 0
+    deadline = time.monotonic() + 60
+    try:
+        while pos < total and not errors and time.monotonic() < deadline:
+            got = reader.read(pos, 50)
+            for r in got:
+                assert r == record(pos)
+                pos += 1
+            if not got and committed < pos:
+                reader.commit("drain", pos)
+                committed = pos
+    finally:
+        writer.join()
+    assert not errors
+    assert pos == total
+    assert rejected[0] > 0  # the bound was actually hit, and drained past
+    assert peak[0] <= bound
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=0, missing_records=0)
+
+
+def test_offset_for_time_is_earliest_offset_at_or_after(tmp_path: Path) -> None:
+    timestamps = [10, 20, 15, 30, 25, 40, 5]
+    with LocalLog(tmp_path, segment_bytes=2 * FRAME) as log:
+        for i, ts in enumerate(timestamps):
+            log.append(KEY, value(i), ts)
+    expected = {-(2**63): 0, 0: 0, 5: 0, 10: 0, 11: 1, 15: 1, 20: 1, 21: 3}
+    expected |= {25: 3, 30: 3, 31: 5, 40: 5, 41: 7, 2**63 - 1: 7}
+    shared = LogReader(tmp_path)
+    for t in [*expected, *reversed(expected)]:
+        assert shared.offset_for_time(t) == expected[t]
+        assert LogReader(tmp_path).offset_for_time(t) == expected[t]
+
+
+def test_commit_round_trip(tmp_path: Path) -> None:
+    reader = LogReader(tmp_path)
+    assert reader.committed("agg") is None
+    reader.commit("agg", 5)
+    assert reader.committed("agg") == (5, "")
+    reader.commit("agg", 7, "epoch=3 ✓")
+    assert reader.committed("agg") == (7, "epoch=3 ✓")
+    assert LogReader(tmp_path).committed("agg") == (7, "epoch=3 ✓")
+    reader.commit("spool.drain-1", 0)
+    assert reader.committed("spool.drain-1") == (0, "")
+    assert sorted(p.name for p in (tmp_path / "consumers").iterdir()) == [
+        "agg.json",
+        "spool.drain-1.json",
+    ]
+    for bad in ("", "../x", "a/b", ".hidden", "x" * 201):
+        with pytest.raises(ValueError):
+            reader.commit(bad, 1)
+    with pytest.raises(ValueError):
+        reader.commit("agg", -1)
+
+
+def test_commit_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reader = LogReader(tmp_path)
+    reader.commit("agg", 5, "old")
+    consumers = tmp_path / "consumers"
+    # What a crash between writing the temp file and renaming it leaves behind.
+    (consumers / ".agg.abc123.tmp").write_bytes(b'{"offs')
+    assert reader.committed("agg") == (5, "old")
+    with LocalLog(tmp_path) as log:
+        fill(log, 0, 6)
+        log.flush()
+        assert log.retain_from() == 5
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("simulated crash before rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated"):
+        reader.commit("agg", 9, "new")
+    monkeypatch.undo()
+    assert reader.committed("agg") == (5, "old")
+    assert sorted(p.name for p in consumers.iterdir()) == [".agg.abc123.tmp", "agg.json"]
+    reader.commit("agg", 9, "new")
+    assert reader.committed("agg") == (9, "new")
+
+
+def test_second_writer_is_locked_out(tmp_path: Path) -> None:
+    log = LocalLog(tmp_path)
+    with pytest.raises(LogLockedError, match=f"pid {os.getpid()}"):
+        LocalLog(tmp_path)
+    log.close()
+    log.close()
+    with LocalLog(tmp_path) as again:
+        assert again.next_offset == 0
+
+
+def test_append_argument_errors(tmp_path: Path) -> None:
+    log = LocalLog(tmp_path)
+    with pytest.raises(ValueError):
+        log.append(b"x" * 65536, b"", 0)
+    with pytest.raises(ValueError):
+        log.append(b"", b"", 2**63)
+    assert log.append(b"x" * 65535, b"", -(2**63)) == 0
+    log.close()
+    with pytest.raises(ValueError):
+        log.append(b"", b"", 0)
+    with pytest.raises(ValueError):
+        LocalLog(tmp_path / "other", segment_bytes=0)
+    assert LogReader(tmp_path).read(0) == [LogRecord(0, -(2**63), b"x" * 65535, b"")]
+
+
+_records = st.lists(
+    st.tuples(
+        st.binary(max_size=20),
+        st.binary(max_size=300),
+        st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    records=_records,
+    segment_bytes=st.integers(min_value=1, max_value=2000),
+    flush_every=st.integers(min_value=1, max_value=10),
+    batch=st.integers(min_value=1, max_value=50),
+)
+def test_property_round_trip(
+    records: list[tuple[bytes, bytes, int]], segment_bytes: int, flush_every: int, batch: int
+) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        directory = Path(d)
+        with LocalLog(directory, segment_bytes=segment_bytes) as log:
+            for i, (key, val, ts) in enumerate(records):
+                assert log.append(key, val, ts) == i
+                if i % flush_every == 0:
+                    log.flush()
+        expected = [LogRecord(i, ts, k, v) for i, (k, v, ts) in enumerate(records)]
+        reader = LogReader(directory)
+        assert read_all(reader, batch) == expected
+        assert reader.end_offset() == len(records)
+        for _, _, t in records[:5]:
+            first = next((i for i, r in enumerate(records) if r[2] >= t), len(records))
+            assert reader.offset_for_time(t) == first
+        with LocalLog(directory, segment_bytes=segment_bytes) as log:
+            assert log.stats.torn_tail_bytes == 0
+            assert log.next_offset == len(records)
+
+
+_damage = st.lists(
+    st.one_of(
+        st.tuples(st.just("flip"), st.integers(0, 50), st.floats(0, 1), st.integers(1, 255)),
+        st.tuples(st.just("cut"), st.integers(0, 50), st.floats(0, 1), st.just(0)),
+        st.tuples(st.just("delete"), st.integers(0, 50), st.just(0.0), st.just(0)),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    records=_records,
+    segment_bytes=st.integers(min_value=50, max_value=1500),
+    damage=_damage,
+    batch=st.integers(min_value=1, max_value=20),
+)
+def test_property_corruption_is_counted_never_raised(
+    records: list[tuple[bytes, bytes, int]],
+    segment_bytes: int,
+    damage: list[tuple[str, int, float, int]],
+    batch: int,
+) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        directory = Path(d)
+        with LocalLog(directory, segment_bytes=segment_bytes) as log:
+            for key, val, ts in records:
+                log.append(key, val, ts)
+        expected = [LogRecord(i, ts, k, v) for i, (k, v, ts) in enumerate(records)]
+        bases = segment_bases(directory)
+        # Where each record's frame lies: (segment base, first byte, end byte).
+        extent: dict[int, tuple[int, int, int]] = {}
+        for base, upper in zip(bases, [*bases[1:], len(records)], strict=True):
+            pos = 0
+            for i in range(base, upper):
+                size = FRAME_OVERHEAD + len(records[i][0]) + len(records[i][1])
+                extent[i] = (base, pos, pos + size)
+                pos += size
+
+        first_damage = {b: segment_path(directory, b).stat().st_size for b in bases}
+        for kind, which, where, xor in damage:
+            base = bases[which % len(bases)]
+            path = segment_path(directory, base)
+            if not path.exists():
+                continue
+            data = bytearray(path.read_bytes())
+            if kind == "delete":
+                path.unlink()
+                first_damage[base] = -1
+                continue
+            if not data:
+                continue
+            at = min(int(where * len(data)), len(data) - 1)
+            if kind == "flip":
+                data[at] ^= xor
+            else:
+                del data[at:]
+            path.write_bytes(bytes(data))
+            first_damage[base] = min(first_damage[base], at)
+
+        reader = LogReader(directory)
+        got = read_all(reader, batch)
+        offsets = [r.offset for r in got]
+        assert offsets == sorted(set(offsets))
+        assert all(r == expected[r.offset] for r in got)
+        # Damage in one segment never costs records of another, nor frames before it.
+        intact = {i for i, (b, _, end) in extent.items() if end <= first_damage[b]}
+        assert intact <= set(offsets)
+        assert reader.stats.missing_records <= len(records)
+        reader.end_offset()
+        for _, _, t in records[:3]:
+            reader.offset_for_time(t)
+
+        with LocalLog(directory, segment_bytes=segment_bytes) as log:
+            next_offset = log.next_offset
+            assert log.append(b"k", b"v", 0) == next_offset
+        assert LogReader(directory).read(next_offset) == [LogRecord(next_offset, 0, b"k", b"v")]
