@@ -6,17 +6,20 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import msgspec
 
-from .config import CollectConfig, ConfigError, load
+from .config import AggregateConfig, CollectConfig, ConfigError, ReplayConfig, load
 from .layout.declarations import LAYOUTS
 from .layout.reader import read_snapshot
 from .layout.snapshot import Snapshot
 from .transport.locallog import LogLockedError
 
 C = TypeVar("C", bound=msgspec.Struct)
+
+if TYPE_CHECKING:
+    from .aggregate.windows import WindowSettings
 
 
 class UsageError(Exception):
@@ -41,10 +44,11 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    if path.is_dir():
-        print(f"hami-usage inspect: {path}: is a directory, not a cache file", file=sys.stderr)
-        return 1
     try:
+        # Inside the try: is_dir() raises PermissionError under a directory we cannot search.
+        if path.is_dir():
+            print(f"hami-usage inspect: {path}: is a directory, not a cache file", file=sys.stderr)
+            return 1
         snap = read_snapshot(path)
     except FileNotFoundError:
         print(f"hami-usage inspect: {path}: no such file", file=sys.stderr)
@@ -113,12 +117,16 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     import socket
 
     from .node.service import CollectSettings, collect
-    from .transport.kafka import ProducerSettings
+    from .transport.kafka import ProducerSettings, QuietRetries
 
     cfg = _settings(args, CollectConfig, "collect", COLLECT_FLAGS)
     root = Path(cfg.root)
     if not root.is_dir():
         raise UsageError(f"hami-usage collect: --root {root}: not a directory")
+    try:
+        Path(cfg.log).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"hami-usage collect: --log {cfg.log}: {exc.strerror}") from None
     node = cfg.node or os.environ.get("NODE_NAME") or socket.gethostname()
     kafka = None
     if cfg.kafka:
@@ -138,11 +146,30 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         max_scans=cfg.max_scans,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(QuietRetries())
     try:
         asyncio.run(collect(settings))
     except LogLockedError as exc:
         print(f"hami-usage collect: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .demo import DemoSettings, format_report, run_demo
+
+    if args.duration is not None and args.duration < 5:
+        raise UsageError("hami-usage demo: --duration must be at least 5 seconds")
+    settings = DemoSettings(
+        duration_s=args.duration or DemoSettings.duration_s,
+        out=Path(args.out),
+        kafka=args.kafka,
+    )
+    result = asyncio.run(run_demo(settings))
+    sys.stdout.write(format_report(result))
     return 0
 
 
@@ -157,6 +184,103 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _window(cfg: AggregateConfig | ReplayConfig) -> WindowSettings:
+    from .aggregate.windows import WindowSettings
+
+    return WindowSettings(
+        window_ms=round(cfg.window * 1000),
+        lateness_ms=round(cfg.lateness * 1000),
+        max_gap_ms=round(cfg.max_gap * 1000),
+        max_skew_ms=round(cfg.max_skew * 1000),
+    )
+
+
+def _cmd_aggregate(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from .aggregate.service import AggregateSettings, aggregate, report
+
+    cfg = _settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
+    if cfg.window * 1000 % 1:
+        raise UsageError("hami-usage aggregate: --window must be a whole number of milliseconds")
+    settings = AggregateSettings(
+        window=_window(cfg),
+        kafka=cfg.kafka,
+        topic=cfg.topic,
+        billing_topic=cfg.billing_topic,
+        group=cfg.group,
+        log_dir=Path(cfg.log),
+        csv=cfg.csv,
+        jsonl=cfg.jsonl,
+        otlp=cfg.otlp,
+        drain=cfg.drain,
+        instance=cfg.instance,
+    )
+    if not cfg.kafka and not Path(cfg.log).is_dir():
+        raise UsageError(f"hami-usage aggregate: --log {cfg.log}: not a directory")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    outputs = asyncio.run(aggregate(settings))
+    del report, outputs
+    return 0
+
+
+def _iso_ms(flag: str, text: str) -> int:
+    from datetime import UTC, datetime
+
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise UsageError(f"hami-usage replay: {flag} {text!r}: not an ISO-8601 time") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return round(when.timestamp() * 1000)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .replay import ReplayRange, replay_kafka, replay_local
+
+    cfg = _settings(args, ReplayConfig, "replay", REPLAY_FLAGS)
+    rng = ReplayRange(_iso_ms("--from", args.from_), _iso_ms("--to", args.to))
+    if rng.to_ms <= rng.from_ms:
+        raise UsageError("hami-usage replay: --to must be after --from")
+    if not cfg.csv and not cfg.jsonl:
+        raise UsageError("hami-usage replay: give --csv FILE or --jsonl FILE")
+    window = _window(cfg)
+    if cfg.kafka:
+        written, stats = asyncio.run(
+            replay_kafka(cfg.kafka, cfg.topic, window, rng, cfg.csv, cfg.jsonl)
+        )
+    else:
+        if not Path(cfg.log).is_dir():
+            raise UsageError(f"hami-usage replay: --log {cfg.log}: not a directory")
+        written, stats = replay_local(Path(cfg.log), window, rng, cfg.csv, cfg.jsonl)
+    print(
+        f"replay: {written} records; undecodable={stats.undecodable} "
+        f"unknown_schema={stats.unknown_schema}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+AGGREGATE_FLAGS = [
+    "kafka",
+    "topic",
+    "billing_topic",
+    "group",
+    "log",
+    "window",
+    "lateness",
+    "max_gap",
+    "csv",
+    "jsonl",
+    "otlp",
+    "drain",
+    "instance",
+]
+REPLAY_FLAGS = ["kafka", "topic", "log", "window", "lateness", "max_gap", "csv", "jsonl"]
 COLLECT_FLAGS = [
     "root",
     "node",
@@ -221,6 +345,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--linger-ms", type=int, help="Kafka producer linger (default 50)")
     p.add_argument("--max-scans", type=int, help="stop after this many scans")
     p.set_defaults(func=_cmd_collect)
+
+    p = sub.add_parser("aggregate", help="events -> windowed billing records and OTLP metrics")
+    p.add_argument("--config", type=Path, help="TOML file; settings in its [aggregate] table")
+    p.add_argument("--kafka", metavar="BOOTSTRAP", help="consume from Kafka (consumer group)")
+    p.add_argument(
+        "--log",
+        metavar="DIR",
+        help="consume the local log instead (default /var/lib/hami-usage/events)",
+    )
+    p.add_argument("--topic", help="usage topic (default hami.usage.v1)")
+    p.add_argument("--billing-topic", help="billing topic (default hami.billing.v1)")
+    p.add_argument("--group", help="consumer group (default hami-usage-aggregator)")
+    p.add_argument("--instance", help="replica id for the transactional id (default 0)")
+    p.add_argument("--window", type=float, help="window length in seconds (default 60)")
+    p.add_argument("--lateness", type=float, help="allowed lateness in seconds (default 10)")
+    p.add_argument("--max-gap", type=float, help="longest a sample holds, seconds (default 90)")
+    p.add_argument("--csv", metavar="FILE", help="append billing records to this CSV file")
+    p.add_argument("--jsonl", metavar="FILE", help="append billing records as JSON Lines")
+    p.add_argument(
+        "--otlp",
+        metavar="URL",
+        help="push OTLP metrics (http/protobuf), e.g. http://localhost:4318/v1/metrics",
+    )
+    p.add_argument(
+        "--drain",
+        action="store_true",
+        default=None,
+        help="process what is there, close every window and exit",
+    )
+    p.set_defaults(func=_cmd_aggregate)
+
+    p = sub.add_parser("replay", help="recompute billing records for a past time range")
+    p.add_argument("--config", type=Path, help="TOML file; settings in its [replay] table")
+    p.add_argument("--kafka", metavar="BOOTSTRAP", help="read the usage topic from Kafka")
+    p.add_argument("--log", metavar="DIR", help="read the local log instead")
+    p.add_argument("--topic", help="usage topic (default hami.usage.v1)")
+    p.add_argument(
+        "--from",
+        dest="from_",
+        required=True,
+        metavar="ISO",
+        help="start, ISO-8601 (UTC if no offset)",
+    )
+    p.add_argument("--to", required=True, metavar="ISO", help="end, ISO-8601 (exclusive)")
+    p.add_argument("--window", type=float, help="window length in seconds (default 60)")
+    p.add_argument("--lateness", type=float, help="allowed lateness in seconds (default 10)")
+    p.add_argument("--max-gap", type=float, help="longest a sample holds, seconds (default 90)")
+    p.add_argument("--csv", metavar="FILE", help="write the records to this CSV file")
+    p.add_argument("--jsonl", metavar="FILE", help="write the records as JSON Lines")
+    p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser("demo", help="simulate a node and run the whole pipeline; print the bill")
+    p.add_argument("--duration", type=float, help="seconds of simulated usage (default 20)")
+    p.add_argument(
+        "--out",
+        default="hami-usage-demo",
+        help="folder for billing.csv (default ./hami-usage-demo)",
+    )
+    p.add_argument(
+        "--kafka", metavar="BOOTSTRAP", help="go through this Kafka broker instead of the local log"
+    )
+    p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("schema", help="write the event JSON Schema (schemas/events.schema.json)")
     p.add_argument("--out", default="schemas", help="folder (default schemas)")

@@ -56,7 +56,19 @@ class AggregateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     jsonl: str | None = None
     otlp: str | None = None  # e.g. http://otel-collector:4318/v1/metrics
     drain: bool = False
-    state: str = "/var/lib/hami-usage/aggregator"  # checkpoints of the file outputs
+    instance: str = "0"  # transactional.id suffix: unique per replica (e.g. the pod name)
+
+
+class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    kafka: str | None = None
+    topic: str = "hami.usage.v1"
+    log: str = "/var/lib/hami-usage/events"
+    window: Positive = 60.0
+    lateness: Annotated[float, Meta(ge=0)] = 10.0
+    max_gap: Positive = 90.0
+    max_skew: Positive = 300.0
+    csv: str | None = None
+    jsonl: str | None = None
 
 
 C = TypeVar("C", bound=msgspec.Struct)

@@ -198,6 +198,20 @@ class CacheWriter:
                 if has_util:
                     slot.device_util[d].sm_util = sm
 
+    def live_totals(self) -> dict[int, tuple[int, int]]:
+        """device -> (sum of used.total, sum of sm_util) over the live slots, as written."""
+        out: dict[int, tuple[int, int]] = {}
+        has_util = self.layout.device_util is not None
+        for k in range(min(max(self.proc_num, 0), MAX_PROCS)):
+            slot = self.region.procs[k]
+            if slot.pid == 0 or slot.status == 0:
+                continue
+            for d in range(len(self.devices)):
+                mem, sm = out.get(d, (0, 0))
+                util = slot.device_util[d].sm_util if has_util else 0
+                out[d] = (mem + slot.used[d].total, sm + util)
+        return out
+
     def kernel_launched(self, when: float) -> None:
         if hasattr(self.region, "last_kernel_time"):
             self.region.last_kernel_time = int(when)
@@ -315,6 +329,42 @@ class NodeSimulator:
     def close(self) -> None:
         for c in self.containers:
             c.writer.close()
+
+
+TruthKey = tuple[str, str, str]  # (pod_uid, container, device uuid)
+
+
+class GroundTruth:
+    """The exact integral of what the simulator wrote: per container and device, the sum of
+    `total` (and of `sm_util`) over live slots, held from each write until the next."""
+
+    def __init__(self) -> None:
+        self.byte_ms: dict[TruthKey, int] = {}
+        self.sm_ms: dict[TruthKey, int] = {}
+        self.changes: dict[TruthKey, int] = {}
+        self.abs_delta: dict[TruthKey, int] = {}  # sum of |change| of the memory sum
+        self._last_ms: int | None = None
+        self._values: dict[TruthKey, tuple[int, int]] = {}
+
+    def observe(self, now_ms: int, containers: list[SimContainer]) -> None:
+        """Call right after each step (and once when the files go away, with [])."""
+        values: dict[TruthKey, tuple[int, int]] = {}
+        for c in containers:
+            for d, v in c.writer.live_totals().items():
+                values[(c.pod_uid, c.name, c.writer.devices[d].uuid)] = v
+        if self._last_ms is not None:
+            dt = now_ms - self._last_ms
+            for key, (mem, sm) in self._values.items():
+                self.byte_ms[key] = self.byte_ms.get(key, 0) + mem * dt
+                self.sm_ms[key] = self.sm_ms.get(key, 0) + sm * dt
+        for key in values.keys() | self._values.keys():
+            old = self._values.get(key, (0, 0))[0]
+            new = values.get(key, (0, 0))[0]
+            if old != new:
+                self.changes[key] = self.changes.get(key, 0) + 1
+                self.abs_delta[key] = self.abs_delta.get(key, 0) + abs(new - old)
+        self._values = values
+        self._last_ms = now_ms
 
 
 def run(

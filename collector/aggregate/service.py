@@ -1,0 +1,375 @@
+"""`hami-usage aggregate`: events -> windows -> billing records, exactly once.
+
+One `Aggregator` per source partition (watermarks are per partition, and a node's events all
+live in one). After windows close, the records go out and the input position is committed in
+one step:
+
+* Kafka: records to the billing topic and the consumer offsets in **one transaction**. The
+  committed offset is the earliest event still needed by an open window (not the position), and
+  its metadata holds the end of the last emitted window plus the lengths of the file outputs.
+  A restart re-reads from there, rebuilds the open windows and suppresses those already emitted.
+* Local log: the same checkpoint in the log's consumer-checkpoint file (atomic rename).
+
+File outputs are written and flushed before the commit; on restart they are truncated back to
+the committed lengths, so a crash between the two leaves no duplicate lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..events import UnknownSchemaVersion, decode
+from .records import BillingRecord
+from .sinks import CsvSink, JsonlSink
+from .windows import Aggregator, WindowSettings
+
+log = logging.getLogger(__name__)
+
+COMMIT_INTERVAL_S = 5.0
+
+
+class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Commit metadata: end of the last emitted window and file-output lengths at that point."""
+
+    emitted_until_ms: int = 0
+    csv_bytes: int = 0
+    jsonl_bytes: int = 0
+
+
+def parse_checkpoint(text: str | None) -> Checkpoint:
+    if not text:
+        return Checkpoint()
+    try:
+        return msgspec.json.decode(text, type=Checkpoint)
+    except msgspec.DecodeError:
+        log.warning("ignoring unreadable checkpoint metadata %r", text[:80])
+        return Checkpoint()
+
+
+@dataclass
+class InputStats:
+    """Input that was read but not aggregated: counted and reported, never silent."""
+
+    undecodable: int = 0
+    unknown_schema: int = 0
+
+
+@dataclass
+class Outputs:
+    """Where closed windows go besides the billing topic: files and OTLP."""
+
+    csv: CsvSink | None = None
+    jsonl: JsonlSink | None = None
+    otlp: object | None = None  # OtlpExporter; typed loosely to keep OTLP an optional import
+    written: int = 0
+
+    @classmethod
+    def open(
+        cls, csv: str | None, jsonl: str | None, otlp: str | None, resume: Checkpoint
+    ) -> Outputs:
+        out = cls()
+        if csv:
+            out.csv = CsvSink(Path(csv), resume_at=resume.csv_bytes)
+        if jsonl:
+            out.jsonl = JsonlSink(Path(jsonl), resume_at=resume.jsonl_bytes)
+        if otlp:
+            from .otlp import OtlpExporter
+
+            out.otlp = OtlpExporter(otlp)
+        return out
+
+    def write(self, records: list[BillingRecord]) -> None:
+        for sink in (self.csv, self.jsonl):
+            if sink is not None:
+                sink.write(records)
+                sink.flush()
+        self.written += len(records)
+
+    def export(self, records: list[BillingRecord], aggregators: Iterable[Aggregator]) -> None:
+        """OTLP is best effort (metrics, not the record of truth); failures are counted there."""
+        if self.otlp is None:
+            return
+        from .otlp import OtlpExporter
+
+        assert isinstance(self.otlp, OtlpExporter)
+        if records:
+            self.otlp.record_window(records)
+        self.otlp.set_gauges([g for agg in aggregators for g in agg.gauges()])
+        self.otlp.flush()
+
+    def checkpoint(self, emitted_until_ms: int) -> Checkpoint:
+        return Checkpoint(
+            emitted_until_ms,
+            self.csv.tell() if self.csv else 0,
+            self.jsonl.tell() if self.jsonl else 0,
+        )
+
+    def close(self) -> None:
+        for sink in (self.csv, self.jsonl):
+            if sink is not None:
+                sink.close()
+        if self.otlp is not None:
+            from .otlp import OtlpExporter
+
+            assert isinstance(self.otlp, OtlpExporter)
+            self.otlp.shutdown()
+
+
+@dataclass
+class AggregateSettings:
+    window: WindowSettings
+    kafka: str | None
+    topic: str
+    billing_topic: str
+    group: str
+    log_dir: Path
+    csv: str | None = None
+    jsonl: str | None = None
+    otlp: str | None = None
+    drain: bool = False
+    instance: str = "0"
+    stats: InputStats = field(default_factory=InputStats)
+
+
+def add_record(
+    agg: Aggregator,
+    stats: InputStats,
+    key: bytes | None,
+    value: bytes,
+    *,
+    source: int,
+    offset: int,
+    record_ts_ms: int,
+) -> None:
+    try:
+        event = decode(value)
+    except UnknownSchemaVersion:
+        stats.unknown_schema += 1
+        return
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        stats.undecodable += 1
+        return
+    node = (key or b"").decode("utf-8", "replace")
+    agg.add(node, event, source=source, offset=offset, record_ts_ms=record_ts_ms)
+
+
+def _sorted(records: Iterable[BillingRecord]) -> list[BillingRecord]:
+    return sorted(
+        records,
+        key=lambda r: (r.window_start_ms, r.node, r.pod_uid, r.container, r.device_uuid),
+    )
+
+
+def report(settings: AggregateSettings, aggregators: Iterable[Aggregator], written: int) -> str:
+    totals: dict[str, int] = {}
+    for agg in aggregators:
+        for name in agg.stats.__struct_fields__:
+            totals[name] = totals.get(name, 0) + int(getattr(agg.stats, name))
+    parts = [f"{written} records"]
+    parts += [f"{k}={v}" for k, v in sorted(totals.items()) if v]
+    s = settings.stats
+    if s.undecodable or s.unknown_schema:
+        parts.append(f"undecodable={s.undecodable} unknown_schema={s.unknown_schema}")
+    return "aggregate: " + " ".join(parts)
+
+
+# --- local log ----------------------------------------------------------------------------
+
+
+async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Outputs:
+    from ..transport.locallog import LogReader
+
+    reader = LogReader(settings.log_dir)
+    committed = reader.committed(settings.group)
+    position, meta = committed if committed else (0, "")
+    resume = parse_checkpoint(meta)
+    agg = Aggregator(settings.window, emitted_until_ms=resume.emitted_until_ms)
+    outputs = Outputs.open(settings.csv, settings.jsonl, settings.otlp, resume)
+    last_commit = time.monotonic()
+    try:
+        while not stopping.is_set():
+            batch = await asyncio.to_thread(reader.read, position, 5000)
+            for r in batch:
+                add_record(
+                    agg,
+                    settings.stats,
+                    r.key,
+                    r.value,
+                    source=0,
+                    offset=r.offset,
+                    record_ts_ms=r.timestamp_ms,
+                )
+            if batch:
+                position = batch[-1].offset + 1
+            done = not batch and settings.drain
+            records = agg.flush() if done else agg.advance()
+            if records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S:
+                outputs.write(records)
+                needed = agg.needed_offsets().get(0, position)
+                reader.commit(
+                    settings.group,
+                    needed,
+                    msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode(),
+                )
+                outputs.export(records, [agg])
+                last_commit = time.monotonic()
+            if done:
+                break
+            if not batch:
+                await asyncio.sleep(0.5)
+    finally:
+        log.info("%s", report(settings, [agg], outputs.written))
+        outputs.close()
+    return outputs
+
+
+# --- Kafka --------------------------------------------------------------------------------
+
+
+async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Outputs:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka.abc import ConsumerRebalanceListener
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.structs import OffsetAndMetadata
+
+    assert settings.kafka is not None
+    aggs: dict[TopicPartition, Aggregator] = {}
+    positions: dict[TopicPartition, int] = {}
+    resume_meta: list[Checkpoint] = []
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka,
+        group_id=settings.group,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        auto_offset_reset="earliest",
+        client_id=f"hami-usage-aggregator-{settings.instance}",
+    )
+    producer = AIOKafkaProducer(
+        bootstrap_servers=settings.kafka,
+        transactional_id=f"{settings.group}-{settings.instance}",
+        enable_idempotence=True,
+        compression_type="gzip",
+    )
+
+    class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+        async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+            for tp in revoked:
+                aggs.pop(tp, None)
+                positions.pop(tp, None)
+
+        async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+            committed = await admin.list_consumer_group_offsets(
+                settings.group, partitions=list(assigned)
+            )
+            for tp in assigned:
+                om = committed.get(tp)
+                meta = parse_checkpoint(om.metadata if om is not None else None)
+                resume_meta.append(meta)
+                aggs[tp] = Aggregator(settings.window, emitted_until_ms=meta.emitted_until_ms)
+                if om is not None and om.offset >= 0:
+                    consumer.seek(tp, om.offset)
+                    positions[tp] = om.offset
+                else:
+                    await consumer.seek_to_beginning(tp)
+                    positions[tp] = await consumer.position(tp)
+
+    await admin.start()
+    await producer.start()
+    consumer.subscribe([settings.topic], listener=Rebalance())
+    await consumer.start()
+    outputs: Outputs | None = None
+    try:
+        # Wait for the first assignment: the file outputs resume from its checkpoint.
+        while not aggs and not stopping.is_set():
+            await consumer.getmany(timeout_ms=200, max_records=1)  # drives the group join
+            if aggs:
+                break
+        outputs = Outputs.open(
+            settings.csv,
+            settings.jsonl,
+            settings.otlp,
+            max(resume_meta, key=lambda m: m.csv_bytes + m.jsonl_bytes, default=Checkpoint()),
+        )
+        ends = await consumer.end_offsets(list(aggs)) if settings.drain else {}
+        last_commit = time.monotonic()
+        while not stopping.is_set():
+            batch = await consumer.getmany(timeout_ms=500, max_records=5000)
+            for tp, msgs in batch.items():
+                agg = aggs.get(tp)
+                if agg is None:
+                    continue
+                for m in msgs:
+                    add_record(
+                        agg,
+                        settings.stats,
+                        m.key,
+                        m.value,
+                        source=tp.partition,
+                        offset=m.offset,
+                        record_ts_ms=m.timestamp,
+                    )
+                positions[tp] = msgs[-1].offset + 1
+            done = settings.drain and await _caught_up(consumer, ends)
+            records = _sorted(
+                r for agg in aggs.values() for r in (agg.flush() if done else agg.advance())
+            )
+            if records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S:
+                outputs.write(records)
+                await producer.begin_transaction()
+                try:
+                    for r in records:
+                        from .records import to_msgpack
+
+                        await producer.send(
+                            settings.billing_topic, to_msgpack(r), key=r.node.encode()
+                        )
+                    offsets = {}
+                    for tp, agg in aggs.items():
+                        meta = outputs.checkpoint(agg.emitted_until_ms)
+                        needed = agg.needed_offsets().get(tp.partition, positions[tp])
+                        offsets[tp] = OffsetAndMetadata(needed, msgspec.json.encode(meta).decode())
+                    await producer.send_offsets_to_transaction(offsets, settings.group)
+                    await producer.commit_transaction()
+                except BaseException:
+                    await producer.abort_transaction()
+                    raise
+                outputs.export(records, aggs.values())
+                last_commit = time.monotonic()
+            if done:
+                break
+    finally:
+        if outputs is not None:
+            log.info("%s", report(settings, aggs.values(), outputs.written))
+            outputs.close()
+        await consumer.stop()
+        await producer.stop()
+        await admin.close()
+    return outputs if outputs is not None else Outputs()
+
+
+async def _caught_up(consumer: Any, ends: dict[Any, int]) -> bool:
+    for tp, end in ends.items():
+        if await consumer.position(tp) < end:
+            return False
+    return True
+
+
+async def aggregate(settings: AggregateSettings) -> Outputs:
+    import signal
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    if settings.kafka:
+        return await run_kafka(settings, stopping)
+    return await run_local(settings, stopping)
