@@ -82,8 +82,12 @@ def _detect_v11(size: int, header: bytes, read_at: ReadAt) -> tuple[Layout | Non
         and _proc_num_ok(V11_INTERIM, read_at)
     )
     if plain and interim:
-        # Content cannot tell them apart (no device yet): the size is the best evidence left.
-        interim = size >= V11_INTERIM.file_size
+        # A reading that shows a device (device_num > 0, checked above to have a GPU-/MIG-
+        # uuid at its offset) beats one that does not, even in a truncated file or one a later
+        # library grew; with a device in neither (or in both: hostile) the size decides.
+        plain_dev = _U64.unpack_from(header, V11.device_num)[0] > 0
+        interim_dev = _U64.unpack_from(header, V11_INTERIM.device_num)[0] > 0
+        interim = interim_dev if plain_dev != interim_dev else size >= V11_INTERIM.file_size
         plain = not interim
     if interim:
         detail = "says 1.1 but has the v1.1-interim layout (HAMi v2.8.1)"

@@ -7,17 +7,20 @@ short. Only the header, the slots below `proc_num` and the tail are read, not th
 
 from __future__ import annotations
 
+import ctypes as C
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass
-from functools import cache
+from functools import lru_cache
 
 from .declarations import MAX_DEVICES, MAX_PROCS, UUID_LEN, Layout
 from .detect import HEADER_BYTES, detect
 from .snapshot import Anomaly, DeviceInfo, DeviceUsage, ProcSnapshot, Snapshot, empty_snapshot
 
 U64_MASK = (1 << 64) - 1
+_LOW_BIT = bytes(b & 1 for b in range(256))  # bytes.translate table: each byte -> its low bit
 WRAP = 1 << 63  # a u64 counter this large went below zero (HAMi issue #1181)
 DEFAULT_RETRIES = 64
 
@@ -26,26 +29,101 @@ DEFAULT_RETRIES = 64
 class _Codec:
     """struct formats for one layout, derived from its declaration."""
 
-    pid: struct.Struct
-    status: struct.Struct
-    used: struct.Struct
-    monitorused: struct.Struct
-    util: struct.Struct | None
+    slot: struct.Struct  # one unpack of a slot: see _slot_format
+    has_util: bool
     limits: struct.Struct
     tail: struct.Struct
     seqlock: struct.Struct
 
 
-@cache
+# The tuple a slot struct unpacks: pid, hostpid, the 5 counters of each device (context,
+# module, data, offset, total), monitorused of each device, [sm_util of each device], status.
+_USED = 2
+_NO_UTIL = (0,) * MAX_DEVICES
+
+
+def _slot_format(layout: Layout, ndev: int = MAX_DEVICES) -> str:
+    """A struct format for the fields of a slot that are read (the per-device ones for devices
+    below `ndev`), skipping everything else."""
+    dm, du = layout.device_memory, layout.device_util
+    parts = ["<ii"]
+    at = 8
+
+    def skip_to(offset: int) -> None:
+        nonlocal at
+        assert offset >= at, "slot fields out of order"
+        parts.append(f"{offset - at}x")
+        at = offset
+
+    skip_to(layout.slot_used)
+    # context, module, data, offset, total are the first five u64 of device_memory_t.
+    parts.append(f"5Q{C.sizeof(dm) - 40}x" * ndev)
+    at += C.sizeof(dm) * ndev
+    skip_to(layout.slot_monitorused)
+    parts.append(f"{ndev}Q")
+    at += 8 * ndev
+    if du is not None:
+        assert layout.slot_device_util is not None
+        skip_to(layout.slot_device_util)
+        sm_at: int = du.sm_util.offset
+        parts.append(f"{sm_at}xQ{C.sizeof(du) - sm_at - 8}x" * ndev)
+        at += C.sizeof(du) * ndev
+    skip_to(layout.slot_status)
+    parts.append("i")
+    return "".join(parts)
+
+
+@dataclass(frozen=True)
+class _Short:
+    """For a file with `ndev` devices: a struct for a slot's fields of devices below `ndev`, and
+    the byte ranges of the per-device arrays from `ndev` on (all zero in the usual case)."""
+
+    slot: struct.Struct
+    used: slice
+    monitorused: slice
+    device_util: slice
+    zeros: tuple[bytes, bytes, bytes]
+
+
+def _short(layout: Layout, ndev: int) -> _Short:
+    # Keyed on the name: hashing a Layout (a frozen dataclass of 25 fields) is slow.
+    short = _SHORTS.get((layout.name, ndev))
+    if short is None:
+        short = _SHORTS[layout.name, ndev] = _make_short(layout, ndev)
+    return short
+
+
+_SHORTS: dict[tuple[str, int], _Short] = {}
+
+
+def _make_short(layout: Layout, ndev: int) -> _Short:
+    dm = C.sizeof(layout.device_memory)
+    du = 0 if layout.device_util is None else C.sizeof(layout.device_util)
+    util = layout.slot_device_util or 0
+    used = slice(layout.slot_used + ndev * dm, layout.slot_used + MAX_DEVICES * dm)
+    monitorused = slice(
+        layout.slot_monitorused + ndev * 8, layout.slot_monitorused + MAX_DEVICES * 8
+    )
+    device_util = slice(util + ndev * du, util + MAX_DEVICES * du)
+    z = [bytes(r.stop - r.start) for r in (used, monitorused, device_util)]
+    fmt = struct.Struct(_slot_format(layout, ndev))
+    return _Short(fmt, used, monitorused, device_util, (z[0], z[1], z[2]))
+
+
 def _codec(layout: Layout) -> _Codec:
+    codec = _CODECS.get(layout.name)
+    if codec is None:
+        codec = _CODECS[layout.name] = _make_codec(layout)
+    return codec
+
+
+_CODECS: dict[str, _Codec] = {}
+
+
+def _make_codec(layout: Layout) -> _Codec:
     return _Codec(
-        pid=struct.Struct("<ii"),
-        status=struct.Struct("<i"),
-        used=struct.Struct(f"<{MAX_DEVICES * layout.dm_words}Q"),
-        monitorused=struct.Struct(f"<{MAX_DEVICES}Q"),
-        util=None
-        if layout.device_util is None
-        else struct.Struct(f"<{MAX_DEVICES * layout.du_words}Q"),
+        slot=struct.Struct(_slot_format(layout)),
+        has_util=layout.device_util is not None,
         limits=struct.Struct(f"<{MAX_DEVICES}Q"),
         tail=struct.Struct("<iiii"),
         seqlock=struct.Struct("<Q"),
@@ -65,16 +143,15 @@ class _File:
             return b""
 
 
+_UUID = re.compile(rb"(?:GPU|MIG)-[\x21-\x7e]+")  # NVML UUID: prefix, printable, no space
+
+
+@lru_cache(maxsize=4096)  # a node has few distinct GPUs; the same 96 bytes come back every scan
 def _uuid(raw: bytes) -> tuple[str, bool]:
     end = raw.find(b"\0")
     text = raw if end < 0 else raw[:end]
     shown = text.decode("ascii", "backslashreplace")
-    valid = (
-        end >= 0
-        and text[:4] in (b"GPU-", b"MIG-")
-        and len(text) > 4
-        and all(0x21 <= c < 0x7F for c in text)
-    )
+    valid = end >= 0 and _UUID.fullmatch(text) is not None
     return shown, valid
 
 
@@ -93,6 +170,15 @@ def _read_slots(
     whole = min(len(data), len(after)) // size
     if seq is not None:
         whole = min(whole, len(before) // size)
+    n = whole * size
+    # Fast path, the usual case: nothing changed at all between the reads (and, with a
+    # seqlock, no seqlock word is odd: `[seq:n:size]` is the low byte of each).
+    if seq is None:
+        clean = data[:n] == after[:n]
+    else:
+        clean = before[:n] == after[:n] and 1 not in before[seq:n:size].translate(_LOW_BIT)
+    if clean:
+        return [(k, data[k * size : k * size + size]) for k in range(whole)]
     slots: list[tuple[int, bytes]] = []
     for k in range(whole):
         lo = k * size
@@ -133,37 +219,62 @@ def _retry_slot(f: _File, layout: Layout, k: int, retries: int) -> bytes | None:
 
 
 def _parse_proc(
-    layout: Layout, k: int, raw: bytes, ndev: int, anomalies: list[Anomaly]
+    c: _Codec,
+    short: _Short,
+    k: int,
+    raw: bytes,
+    ndev: int,
+    live_used: list[int],
+    anomalies: list[Anomaly],
 ) -> ProcSnapshot:
-    c = _codec(layout)
-    pid, hostpid = c.pid.unpack_from(raw, 0)
-    (status,) = c.status.unpack_from(raw, layout.slot_status)
-    used = c.used.unpack_from(raw, layout.slot_used)
-    mon = c.monitorused.unpack_from(raw, layout.slot_monitorused)
-    util = c.util.unpack_from(raw, layout.slot_device_util or 0) if c.util else None
-    dm, du = layout.dm_words, layout.du_words
+    """One slot. Adds its totals to `live_used` (per device) when the process is live."""
+    z_used, z_mon, z_util = short.zeros
+    if (
+        raw[short.used] == z_used
+        and raw[short.monitorused] == z_mon
+        and raw[short.device_util] == z_util
+    ):
+        # The usual case: no counter set on a device at or above device_num; only the devices
+        # below it are unpacked and listed.
+        t = short.slot.unpack_from(raw, 0)
+        last = ndev
+    else:
+        # Devices at or above device_num are listed too when a counter is set.
+        t = c.slot.unpack_from(raw, 0)
+        last = MAX_DEVICES
+    mon_at = _USED + 5 * last
+    sm_at = mon_at + last
+    used = t[_USED:mon_at]
+    mon = t[mon_at:sm_at]
+    sms = t[sm_at : sm_at + last] if c.has_util else _NO_UTIL
+    live = t[0] != 0  # pid 0 is an exit marker: its counters no longer count
     devices: list[DeviceUsage] = []
-    for d in range(MAX_DEVICES):
-        ctx, mod, data, _offset, total = used[d * dm : d * dm + 5]
-        monitor = mon[d]
-        sm = util[d * du + 2] if util is not None else 0
+    # range(last) is the shortest: zip stops at device `last`.
+    for d, ctx, mod, data, total, monitor, sm in zip(
+        range(last), used[0::5], used[1::5], used[2::5], used[4::5], mon, sms, strict=False
+    ):
         if d >= ndev and not (ctx or mod or data or total or monitor or sm):
             continue
         devices.append(DeviceUsage(d, ctx, mod, data, total, monitor, sm))
-        for name, value in (
-            ("context", ctx),
-            ("module", mod),
-            ("data", data),
-            ("total", total),
-            ("monitor", monitor),
-        ):
-            if value >= WRAP:
-                detail = f"{name}={value} on device {d} went below zero as u64"
-                anomalies.append(Anomaly("counter_wrapped", detail, slot=k, device=d, value=value))
+        if live:
+            live_used[d] += total
+        if ctx | mod | data | total | monitor >= WRAP:
+            for name, value in (
+                ("context", ctx),
+                ("module", mod),
+                ("data", data),
+                ("total", total),
+                ("monitor", monitor),
+            ):
+                if value >= WRAP:
+                    detail = f"{name}={value} on device {d} went below zero as u64"
+                    anomalies.append(
+                        Anomaly("counter_wrapped", detail, slot=k, device=d, value=value)
+                    )
         if (ctx + mod + data) & U64_MASK != total:
             detail = f"total {total} != context+module+data {ctx + mod + data} on device {d}"
             anomalies.append(Anomaly("total_mismatch", detail, slot=k, device=d, value=total))
-    return ProcSnapshot(k, pid, hostpid, status, devices)
+    return ProcSnapshot(k, t[0], t[1], t[-1], devices)
 
 
 def _scan_contiguous(
@@ -245,8 +356,10 @@ def snapshot_fd(fd: int, path: str, *, retries: int = DEFAULT_RETRIES) -> Snapsh
     else:
         slots = _scan_contiguous(f, layout, size, retries, anomalies)
 
-    procs = [_parse_proc(layout, k, raw, ndev, anomalies) for k, raw in slots]
-    _check_limits(devices, procs, anomalies)
+    short = _short(layout, ndev)
+    live_used = [0] * MAX_DEVICES  # sum of `total` over live processes, per device
+    procs = [_parse_proc(codec, short, k, raw, ndev, live_used, anomalies) for k, raw in slots]
+    _check_limits(devices, live_used, anomalies)
     return Snapshot(
         path=path,
         size=size,
@@ -271,18 +384,18 @@ def _u64_at(buf: bytes, off: int) -> int:
 
 
 def _check_limits(
-    devices: list[DeviceInfo], procs: list[ProcSnapshot], anomalies: list[Anomaly]
+    devices: list[DeviceInfo], live_used: list[int], anomalies: list[Anomaly]
 ) -> None:
     # HAMi enforces the limit on the sum over the container's live processes.
     for dev in devices:
-        if dev.limit_bytes == 0:
-            continue
-        used = sum(u.total for p in procs if p.live for u in p.devices if u.index == dev.index)
-        if used > dev.limit_bytes:
+        used = live_used[dev.index]
+        if dev.limit_bytes and used > dev.limit_bytes:
             detail = (
                 f"live processes use {used} bytes on device {dev.index}, limit {dev.limit_bytes}"
             )
-            anomalies.append(Anomaly("over_limit", detail, device=dev.index, value=used))
+            # The sum of u64 counters can pass 2**64; `value` stays a u64 so msgpack can carry it.
+            value = min(used, U64_MASK)
+            anomalies.append(Anomaly("over_limit", detail, device=dev.index, value=value))
 
 
 def read_snapshot(path: str | os.PathLike[str], *, retries: int = DEFAULT_RETRIES) -> Snapshot:
