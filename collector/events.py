@@ -127,6 +127,38 @@ class Heartbeat(_Base, tag=8, frozen=True):
     dropped: int = 0
 
 
+class GpuInfo(msgspec.Struct, array_like=True, frozen=True):
+    """One physical GPU (or MIG instance) as NVML sees it on the node."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    mig_mode: bool
+    parent_uuid: str = ""  # for a MIG instance: the GPU it lives on
+
+
+class DeviceUsageRow(msgspec.Struct, array_like=True, frozen=True):
+    """Whole-device usage from NVML, and the part of it no cache file accounts for."""
+
+    uuid: str
+    memory_used: int
+    utilization: int  # percent, device-wide
+    unaccounted_bytes: int  # NVML per-process memory of processes no cache file knows
+
+
+class DeviceInventory(_Base, tag=9, frozen=True):
+    """The node's GPUs, at start and whenever they change."""
+
+    devices: list[GpuInfo]
+
+
+class NodeDeviceSample(_Base, tag=10, frozen=True):
+    """Node-level device usage each interval, so unaccounted use can be billed to the node."""
+
+    rows: list[DeviceUsageRow]
+
+
 Event = (
     ContainerAppeared
     | ContainerGone
@@ -136,6 +168,8 @@ Event = (
     | LimitsChanged
     | LayoutAnomaly
     | Heartbeat
+    | DeviceInventory
+    | NodeDeviceSample
 )
 EVENT_TYPES: tuple[type[Any], ...] = (
     ContainerAppeared,
@@ -146,6 +180,8 @@ EVENT_TYPES: tuple[type[Any], ...] = (
     LimitsChanged,
     LayoutAnomaly,
     Heartbeat,
+    DeviceInventory,
+    NodeDeviceSample,
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -163,10 +199,29 @@ def encode(event: Event) -> bytes:
 def decode(payload: bytes) -> Event:
     """Decode one message. Raises msgspec.DecodeError for undecodable bytes and
     UnknownSchemaVersion for a version this code does not know."""
-    event = _decoder.decode(payload)
+    try:
+        event = _decoder.decode(payload)
+    except msgspec.ValidationError:
+        # A newer version may add kinds (tags) or change fields this code cannot validate:
+        # still say which version it is rather than only that it does not fit.
+        version = _peek_version(payload)
+        if version is not None and version > SCHEMA_VERSION:
+            raise UnknownSchemaVersion(f"schema version {version} > {SCHEMA_VERSION}") from None
+        raise
     if event.v > SCHEMA_VERSION:
         raise UnknownSchemaVersion(f"schema version {event.v} > {SCHEMA_VERSION}")
     return event
+
+
+def _peek_version(payload: bytes) -> int | None:
+    """The `v` of a message that is a msgpack array [tag, v, ...], else None."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, list) and len(raw) >= 2 and type(raw[1]) is int:
+        return raw[1]
+    return None
 
 
 def json_schema() -> dict[str, Any]:

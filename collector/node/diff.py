@@ -31,11 +31,14 @@ Stamp = Callable[..., Any]  # Stamp(EventClass, **fields) -> the event, with v/i
 
 ProcKey = tuple[int, int]  # (pid, hostpid)
 RowKey = tuple[int, int, int]  # (pid, hostpid, device)
-AnomalyKey = tuple[str, int | None, int | None]
+AnomalyKey = tuple[str, int | None, int | None, int | None]
 
 
 def _anomaly_key(a: Anomaly) -> AnomalyKey:
-    return (a.kind, a.slot, a.device)
+    # A stale process is one host pid (several can be stale at once, and compaction moves
+    # slots); other kinds are keyed without their value, which changes while they persist.
+    value = a.value if a.kind == "stale_process" else None
+    return (a.kind, a.slot, a.device, value)
 
 
 @dataclass

@@ -49,7 +49,7 @@ class Discovery:
         skipped: list[Skipped] = []
         seen: dict[str, _Dir] = {}
         try:
-            entries = list(os.scandir(self.root))
+            entries = sorted(os.scandir(self.root), key=lambda e: e.name)  # stable cid order
         except OSError as exc:
             return [], [Skipped(str(self.root), f"cannot list the root: {exc.strerror}")]
         for entry in entries:
@@ -89,6 +89,7 @@ class Discovery:
             entries = sorted(os.scandir(path), key=lambda e: e.name)
         except OSError as exc:
             d.skipped.append(Skipped(path, f"cannot list: {exc.strerror}"))
+            d.mtime_ns = -1  # never a cache hit: list it again next scan
             return d
         for entry in entries:
             if not entry.name.endswith(".cache"):

@@ -81,10 +81,9 @@ class Scanner:
                 self._next_cid += 1
             try:
                 snap = read_snapshot(f.path)
+            except FileNotFoundError:
+                continue  # vanished since listing: gone (ContainerGone below if it had appeared)
             except OSError as exc:
-                # Vanished between listing and open, or unreadable: the anomaly says which.
-                if not st.appeared and isinstance(exc, FileNotFoundError):
-                    continue
                 snap = empty_snapshot(f.path, 0, [Anomaly("unreadable", f"open: {exc.strerror}")])
             events += diff(st, snap, self._stamp, host_proc=self.host_proc)
             present[key] = st

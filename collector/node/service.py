@@ -53,6 +53,14 @@ class Collector:
         self.log = LocalLog(
             settings.log_dir, max_bytes=settings.log_max_bytes, fsync=settings.fsync
         )
+        if self.log.stats.torn_tail_bytes:
+            # A previous run died mid-write: the incomplete record was cut, the rest is intact.
+            log.warning(
+                "local log %s: cut a torn tail of %d bytes left by a crash; next offset %d",
+                settings.log_dir,
+                self.log.stats.torn_tail_bytes,
+                self.log.next_offset,
+            )
         self.forwarder = (
             KafkaForwarder(settings.kafka, self.log, settings.log_dir) if settings.kafka else None
         )
@@ -92,12 +100,8 @@ class Collector:
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
         finally:
             self.stopping.set()
-            if forward is not None:
-                forward.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await forward
-            if self.forwarder is not None:
-                await self.forwarder.drain(self.settings.shutdown_timeout_s)
+            if forward is not None and self.forwarder is not None:
+                await self._stop_forwarder(forward, self.forwarder)
             self.log.flush()
             self.log.close()
             log.info(
@@ -106,6 +110,21 @@ class Collector:
                 self.status.dropped,
                 self.spool_depth(),
             )
+
+    async def _stop_forwarder(self, forward: asyncio.Task[None], fwd: KafkaForwarder) -> None:
+        """Let a batch in flight finish, then send what is left within the shutdown timeout.
+        Cancelled between its send and its commit, a batch would be sent again by the drain
+        (or by the next start): a duplicate on the topic."""
+        deadline = time.monotonic() + self.settings.shutdown_timeout_s
+        fwd.wake()
+        done, _ = await asyncio.wait({forward}, timeout=self.settings.shutdown_timeout_s)
+        if not done:  # e.g. still waiting for an unreachable broker
+            forward.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await forward
+        elif forward.exception() is not None:
+            log.error("kafka forwarder failed", exc_info=forward.exception())
+        await fwd.drain(max(0.0, deadline - time.monotonic()))
 
 
 async def collect(settings: CollectSettings) -> Collector:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from .locallog import LocalLog, LogReader
 
@@ -42,6 +44,33 @@ class ForwarderStats:
     reconnects: int = 0
 
 
+class QuietRetries(logging.Filter):
+    """aiokafka logs every reconnect attempt of every connection, tens of lines a second while
+    the broker is away (and a process writing to a full stderr pipe stops). Let each distinct
+    aiokafka message through once per `period_s`, saying how many like it were held back."""
+
+    def __init__(self, period_s: float = 30.0) -> None:
+        super().__init__()
+        self.period_s = period_s
+        self._last: dict[tuple[str, str], float] = {}
+        self._held: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("aiokafka"):
+            return True
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.period_s:
+            self._held[key] = self._held.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        held = self._held.pop(key, 0)
+        if held:
+            record.msg = f"{record.msg} [and {held} more like it since the last one shown]"
+        return True
+
+
 def make_producer(s: ProducerSettings) -> AIOKafkaProducer:
     return AIOKafkaProducer(
         bootstrap_servers=s.bootstrap,
@@ -51,6 +80,16 @@ def make_producer(s: ProducerSettings) -> AIOKafkaProducer:
         request_timeout_ms=s.request_timeout_ms,
         client_id="hami-usage-collector",
     )
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _log_retry(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome is not None else None
+    log.warning("kafka unreachable, retrying: %r", error)
 
 
 class KafkaForwarder:
@@ -78,7 +117,7 @@ class KafkaForwarder:
         async for attempt in AsyncRetrying(
             wait=wait_exponential(multiplier=0.2, max=5),
             retry=retry_if_exception_type(KafkaError),
-            before_sleep=lambda rs: log.warning("kafka unreachable, retrying: %s", rs.outcome),
+            before_sleep=_log_retry,
         ):
             with attempt:
                 producer = make_producer(self.settings)
@@ -108,16 +147,20 @@ class KafkaForwarder:
             return 0
         producer = await self._ensure_producer()
         acked = self._offset
+        futures: list[asyncio.Future[Any]] = []
         try:
-            futures = [
-                await producer.send(self.settings.topic, value=r.value, key=r.key) for r in records
-            ]
+            for r in records:
+                futures.append(await producer.send(self.settings.topic, value=r.value, key=r.key))
             for r, fut in zip(records, futures, strict=True):
                 await fut
                 acked = r.offset + 1
         except KafkaError as exc:
             self.stats.send_failures += 1
             log.warning("kafka send failed after %d records: %s", acked - self._offset, exc)
+            # The rest of the batch fails too; take their errors so asyncio does not log
+            # "exception was never retrieved" once per record.
+            for fut in futures:
+                fut.add_done_callback(_retrieve)
             await self._drop_producer()
         done = acked - self._offset
         if done:

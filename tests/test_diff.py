@@ -1,0 +1,700 @@
+"""discover -> snapshot -> diff -> events, on real cache files written by the simulator.
+
+Each test drives files with `CacheWriter` (HAMi-core's protocol) and asserts the exact event
+sequence a `Scanner` with a fixed incarnation and explicit sample times produces.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from collector.events import (
+    SCHEMA_VERSION,
+    ContainerAppeared,
+    ContainerGone,
+    DeviceLimit,
+    Event,
+    Heartbeat,
+    LayoutAnomaly,
+    LimitsChanged,
+    ProcessExited,
+    ProcessStarted,
+    UsageRow,
+    UsageSample,
+)
+from collector.layout.declarations import LAYOUTS, MAGIC, V0A, V11, V11_INTERIM, V12, Layout
+from collector.layout.reader import read_snapshot
+from collector.node import scan as scan_module
+from collector.node.scan import HEARTBEAT_PART, Scanner
+from collector.simulate import CacheWriter, GiB, MiB, SimDevice, new_cache_file
+
+INC = 77
+T0 = 1_700_000_000_000
+POD = "6f1c2a3b-4d5e-4f60-8a7b-9c0d1e2f3a4b"
+GPU0 = "GPU-11111111-2222-4333-8444-555555555555"
+GPU1 = "GPU-66666666-7777-4888-9999-aaaaaaaaaaaa"
+DEVICES = [SimDevice(GPU0, 4 * GiB, 50), SimDevice(GPU1, 8 * GiB, 100)]
+LIMITS = [DeviceLimit(0, GPU0, 4 * GiB, 50), DeviceLimit(1, GPU1, 8 * GiB, 100)]
+SEQLOCK_LAYOUTS = [name for name, lay in LAYOUTS.items() if lay.slot_seqlock is not None]
+COMPACTING_LAYOUTS = [name for name, lay in LAYOUTS.items() if lay.slot_seqlock is None]
+MISLABELLED = "says 1.1 but has the v1.1-interim layout (HAMi v2.8.1)"
+
+Body = tuple[str, dict[str, Any]]
+_BASE = ("v", "inc", "seq", "ts")
+
+
+def body(e: Any) -> Body:
+    """An event without its envelope (v, inc, seq, ts), which Harness checks separately."""
+    return type(e).__name__, {f: getattr(e, f) for f in e.__struct_fields__ if f not in _BASE}
+
+
+def ev(cls: type[Any], **fields: Any) -> Body:
+    return body(cls(v=0, inc=0, seq=0, ts=0, **fields))
+
+
+def row(
+    pid: int,
+    hostpid: int,
+    device: int,
+    *,
+    data: int = 0,
+    context: int = 0,
+    module: int = 0,
+    monitor: int = 0,
+    sm: int = 0,
+) -> UsageRow:
+    return UsageRow(
+        pid, hostpid, device, context + module + data, context, module, data, monitor, sm
+    )
+
+
+class Harness:
+    """A Scanner with a fixed inc whose every event is checked for its envelope."""
+
+    def __init__(
+        self, root: Path, *, host_proc: Path | None = None, heartbeat_s: float = 3600
+    ) -> None:
+        self.scanner = Scanner(
+            root,
+            heartbeat_s=heartbeat_s,
+            host_proc=None if host_proc is None else str(host_proc),
+            inc=INC,
+        )
+        self.now = T0
+        self.events: list[Event] = []
+
+    def scan_all(self, step_ms: int = 1000) -> list[Event]:
+        self.now += step_ms
+        events = self.scanner.scan(now_ms=self.now)
+        for i, e in enumerate(events):
+            assert e.v == SCHEMA_VERSION
+            assert e.inc == INC
+            assert e.seq == len(self.events) + i  # dense from 0 across scans
+            assert e.ts == self.now
+        self.events += events
+        return events
+
+    def scan(self, step_ms: int = 1000) -> list[Body]:
+        """Bodies of the events of one scan, heartbeats left out."""
+        return [body(e) for e in self.scan_all(step_ms) if not isinstance(e, Heartbeat)]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "containers"
+    r.mkdir()
+    return r
+
+
+@pytest.fixture
+def writers() -> Iterator[list[CacheWriter]]:
+    opened: list[CacheWriter] = []
+    yield opened
+    for w in opened:
+        w.close()
+
+
+def make(
+    writers: list[CacheWriter],
+    root: Path,
+    layout: Layout,
+    container: str = "main",
+    devices: list[SimDevice] = DEVICES,
+    pod: str = POD,
+) -> CacheWriter:
+    w = new_cache_file(root, pod, container, layout, devices)
+    writers.append(w)
+    return w
+
+
+def appeared(w: CacheWriter, cid: int = 0, container: str = "main", pod: str = POD) -> list[Body]:
+    out = [
+        ev(
+            ContainerAppeared,
+            cid=cid,
+            pod_uid=pod,
+            container=container,
+            path=str(w.path),
+            layout=w.layout.name,
+            devices=LIMITS[: len(w.devices)],
+        )
+    ]
+    if w.layout is V11_INTERIM:
+        out.append(anomaly(w, "mislabelled_layout", MISLABELLED, cid=cid))
+    return out
+
+
+def anomaly(w: CacheWriter | Path, kind: str, detail: str, cid: int = 0, **kw: Any) -> Body:
+    path = str(w.path if isinstance(w, CacheWriter) else w)
+    return ev(LayoutAnomaly, cid=cid, path=path, anomaly=kind, detail=detail, **kw)
+
+
+# --- containers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_container_appears_with_its_devices_and_limits(
+    root: Path, writers: list[CacheWriter], name: str
+) -> None:
+    w = make(writers, root, LAYOUTS[name], container="side_car")
+    h = Harness(root)
+    assert h.scan() == appeared(w, container="side_car")
+    assert h.scan() == []
+
+
+def test_heartbeat_only_on_the_first_scan_and_each_period(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    make(writers, root, V12)
+    h = Harness(root, heartbeat_s=10)
+    kinds = [type(e).__name__ for e in h.scan_all(0)]
+    assert kinds == ["ContainerAppeared", "Heartbeat"]
+    assert not any(isinstance(e, Heartbeat) for e in h.scan_all(5000))
+    assert not any(isinstance(e, Heartbeat) for e in h.scan_all(4999))
+    (hb,) = h.scan_all(1)
+    assert isinstance(hb, Heartbeat) and hb.interval_ms == 10_000
+    assert (hb.part, hb.parts, hb.files) == (0, 1, 1)
+
+
+def test_container_gone_when_file_or_directory_disappears(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    a = make(writers, root, V12, container="a")
+    b = make(writers, root, V0A, container="b")
+    h = Harness(root)
+    assert h.scan() == appeared(a, 0, "a") + appeared(b, 1, "b")
+    a.path.unlink()
+    assert h.scan() == [ev(ContainerGone, cid=0)]
+    shutil.rmtree(b.path.parent)
+    assert h.scan() == [ev(ContainerGone, cid=1)]
+    assert h.scan() == []
+
+
+def test_replaced_file_is_a_new_container(root: Path, writers: list[CacheWriter]) -> None:
+    old = make(writers, root, V12)
+    h = Harness(root)
+    assert h.scan() == appeared(old)
+    old.path.unlink()
+    new = make(writers, root, V12)  # same directory, a new uuid name
+    assert h.scan() == appeared(new, cid=1) + [ev(ContainerGone, cid=0)]
+
+
+def test_vanishing_between_discovery_and_read(
+    root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = make(writers, root, V12, container="seen")
+    h = Harness(root)
+    assert h.scan() == appeared(seen, container="seen")
+    fresh = make(writers, root, V12, container="fresh")
+    real = h.scanner.discovery.scan
+
+    def discover_then_delete() -> Any:
+        found = real()
+        seen.path.unlink()
+        fresh.path.unlink()
+        return found
+
+    monkeypatch.setattr(h.scanner.discovery, "scan", discover_then_delete)
+    # The known one is gone (no spurious exits or limit changes); the new one never existed.
+    assert h.scan() == [ev(ContainerGone, cid=0)]
+    monkeypatch.undo()
+    assert h.scan() == []
+
+
+def test_open_error_is_an_unreadable_anomaly(
+    root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = make(writers, root, V12)
+
+    def denied(path: Any, **kw: Any) -> Any:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(scan_module, "read_snapshot", denied)
+    h = Harness(root)
+    assert h.scan() == [
+        ev(
+            ContainerAppeared,
+            cid=0,
+            pod_uid=POD,
+            container="main",
+            path=str(w.path),
+            layout="",
+            devices=[],
+        ),
+        anomaly(w, "unreadable", "open: Permission denied"),
+    ]
+    assert h.scan() == []
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_process_started_and_exited(root: Path, writers: list[CacheWriter], name: str) -> None:
+    w = make(writers, root, LAYOUTS[name])
+    h = Harness(root)
+    h.scan()
+    w.add_process(10, 1010)
+    w.add_memory(10, 0, "context", 300 * MiB)
+    w.add_memory(10, 0, "data", GiB)
+    assert h.scan() == [
+        ev(ProcessStarted, cid=0, pid=10, hostpid=1010),
+        ev(
+            UsageSample,
+            cid=0,
+            rows=[row(10, 1010, 0, context=300 * MiB, data=GiB), row(10, 1010, 1)],
+        ),
+    ]
+    w.add_process(20, 1020)
+    w.add_memory(20, 1, "module", 5 * MiB)
+    assert h.scan() == [
+        ev(ProcessStarted, cid=0, pid=20, hostpid=1020),
+        ev(UsageSample, cid=0, rows=[row(20, 1020, 0), row(20, 1020, 1, module=5 * MiB)]),
+    ]
+    # pid 10 leaves: an exit marker (seqlock layouts) or compaction that moves pid 20 into
+    # slot 0 (older layouts). Either way exactly one exit, and pid 20 is untouched.
+    w.exit(10)
+    assert w.slot_of(20) == (1 if w.layout.slot_seqlock is not None else 0)
+    assert h.scan() == [ev(ProcessExited, cid=0, pid=10, hostpid=1010)]
+    assert h.scan() == []
+
+
+@pytest.mark.parametrize("name", SEQLOCK_LAYOUTS)
+def test_exit_marker_stops_reporting_although_counters_stay(
+    root: Path, writers: list[CacheWriter], name: str
+) -> None:
+    w = make(writers, root, LAYOUTS[name])
+    h = Harness(root)
+    h.scan()
+    w.add_process(10, 1010)
+    w.add_memory(10, 0, "data", GiB)
+    h.scan()
+    w.exit(10)
+    (slot,) = read_snapshot(w.path).procs
+    assert (slot.pid, slot.status, slot.devices[0].total) == (0, 0, GiB)  # counters stay
+    assert h.scan() == [ev(ProcessExited, cid=0, pid=10, hostpid=1010)]
+    assert h.scan() == []
+    (hb,) = [e for e in h.scan_all(3600_000) if isinstance(e, Heartbeat)]
+    assert hb.containers[0].rows == []
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compaction_moving_a_live_process_is_not_an_exit(
+    root: Path, writers: list[CacheWriter], name: str
+) -> None:
+    w = make(writers, root, LAYOUTS[name])
+    for pid in (1, 2, 3):
+        w.add_process(pid, 500 + pid)
+        w.add_memory(pid, 0, "data", pid * GiB)
+    h = Harness(root)
+    h.scan()
+    w.exit(1)
+    assert h.scan() == [ev(ProcessExited, cid=0, pid=1, hostpid=501)]
+    w.compact()  # removes the exit marker, if any: pid 3 moves into slot 0
+    assert w.slot_of(3) == 0 and w.proc_num == 2
+    assert h.scan() == []
+    # Moved and then changed: a sample for the same key, nothing else.
+    w.add_memory(3, 0, "data", MiB)
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(3, 503, 0, data=3 * GiB + MiB)])]
+
+
+def test_same_pid_with_another_hostpid_is_another_process(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    # The key is (pid, hostpid): a host pid filled in later is a new process.
+    w = make(writers, root, V12, devices=DEVICES[:1])
+    w.add_process(10, 0)
+    h = Harness(root)
+    assert h.scan()[1:] == [
+        ev(ProcessStarted, cid=0, pid=10, hostpid=0),
+        ev(UsageSample, cid=0, rows=[row(10, 0, 0)]),
+    ]
+    w.set_hostpid(10, 4242)
+    assert h.scan() == [
+        ev(ProcessExited, cid=0, pid=10, hostpid=0),
+        ev(ProcessStarted, cid=0, pid=10, hostpid=4242),
+        ev(UsageSample, cid=0, rows=[row(10, 4242, 0)]),
+    ]
+
+
+@pytest.fixture
+def host_proc(tmp_path: Path) -> Path:
+    p = tmp_path / "proc"
+    p.mkdir()
+    (p / "self").mkdir()  # non-numeric entries like a real /proc
+    return p
+
+
+def stale(w: CacheWriter, pid: int, hostpid: int) -> Body:
+    detail = f"pid {pid} (host pid {hostpid}) has a slot but no process"
+    return anomaly(w, "stale_process", detail, value=hostpid)
+
+
+@pytest.mark.parametrize("name", ["v1.2", "v0b"])
+def test_sigkilled_slot_is_a_stale_process_once_and_an_exit(
+    root: Path, writers: list[CacheWriter], host_proc: Path, name: str
+) -> None:
+    w = make(writers, root, LAYOUTS[name], devices=DEVICES[:1])
+    for pid in (1, 2):
+        (host_proc / str(500 + pid)).mkdir()
+        w.add_process(pid, 500 + pid)
+        w.add_memory(pid, 0, "data", GiB)
+    h = Harness(root, host_proc=host_proc)
+    assert h.scan()[1:] == [
+        ev(ProcessStarted, cid=0, pid=1, hostpid=501),
+        ev(ProcessStarted, cid=0, pid=2, hostpid=502),
+        ev(UsageSample, cid=0, rows=[row(1, 501, 0, data=GiB), row(2, 502, 0, data=GiB)]),
+    ]
+    (host_proc / "501").rmdir()  # SIGKILL: the slot stays, the host process is gone
+    assert h.scan() == [stale(w, 1, 501), ev(ProcessExited, cid=0, pid=1, hostpid=501)]
+    assert h.scan() == []  # reported once while it persists
+    (hb,) = [e for e in h.scan_all(3600_000) if isinstance(e, Heartbeat)]
+    assert hb.containers[0].rows == [row(2, 502, 0, data=GiB)]
+    w.compact({1})  # a later process cleans up: pid 2 moves to slot 0, no events
+    assert h.scan() == []
+    # Two at once are two anomalies (each its own host pid).
+    for pid in (3, 4):
+        w.add_process(pid, 500 + pid)
+    assert h.scan() == [stale(w, 3, 503), stale(w, 4, 504)]
+    (host_proc / "503").mkdir()  # (a pid namespace lookup raced; it is alive after all)
+    assert h.scan() == [ev(ProcessStarted, cid=0, pid=3, hostpid=503)] + [
+        ev(UsageSample, cid=0, rows=[row(3, 503, 0)])
+    ]
+    (host_proc / "503").rmdir()
+    assert h.scan() == [stale(w, 3, 503), ev(ProcessExited, cid=0, pid=3, hostpid=503)]
+
+
+def test_without_host_proc_a_killed_slot_stays_live(
+    root: Path, writers: list[CacheWriter], host_proc: Path
+) -> None:
+    w = make(writers, root, V12, devices=DEVICES[:1])
+    w.add_process(1, 501)
+    h = Harness(root)
+    assert h.scan()[1:] == [
+        ev(ProcessStarted, cid=0, pid=1, hostpid=501),
+        ev(UsageSample, cid=0, rows=[row(1, 501, 0)]),
+    ]
+    assert h.scan() == []
+
+
+# --- usage and limits -----------------------------------------------------------------------
+
+
+def test_usage_samples_only_on_change_with_absolute_values(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    w = make(writers, root, V12)
+    w.add_process(1, 501)
+    w.add_process(2, 502)
+    h = Harness(root)
+    h.scan()
+    assert h.scan() == []
+    w.add_memory(1, 0, "data", 2 * GiB)
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 501, 0, data=2 * GiB)])]
+    w.add_memory(1, 0, "data", GiB)  # the row says 3 GiB, not +1 GiB
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 501, 0, data=3 * GiB)])]
+    w.add_memory(1, 0, "data", -3 * GiB)
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 501, 0)])]
+    # The utilization watcher: NVML memory and SM % of each process, matched by host pid.
+    w.watch({502: {1: (700 * MiB, 35)}})
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(2, 502, 1, monitor=700 * MiB, sm=35)])]
+    w.watch({502: {1: (700 * MiB, 35)}})
+    assert h.scan() == []
+    w.kernel_launched(1234)  # header changes alone are no sample
+    assert h.scan() == []
+
+
+def test_device_dropping_out_of_a_slot_is_stated_as_zero(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    # A device beyond device_num is listed only while it has counters.
+    w = make(writers, root, V12, devices=DEVICES[:1])
+    w.add_process(1, 501)
+    w.add_memory(1, 3, "data", GiB)
+    h = Harness(root)
+    assert h.scan()[-1] == ev(UsageSample, cid=0, rows=[row(1, 501, 0), row(1, 501, 3, data=GiB)])
+    w.add_memory(1, 3, "data", -GiB)
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 501, 3)])]
+    assert h.scan() == []
+    (hb,) = [e for e in h.scan_all(3600_000) if isinstance(e, Heartbeat)]
+    assert hb.containers[0].rows == [row(1, 501, 0)]
+
+
+def test_limits_changed(root: Path, writers: list[CacheWriter]) -> None:
+    w = make(writers, root, V11)
+    h = Harness(root)
+    h.scan()
+    w.region.limit[1] = 2 * GiB
+    w.region.sm_limit[0] = 30
+    expected = [DeviceLimit(0, GPU0, 4 * GiB, 30), DeviceLimit(1, GPU1, 2 * GiB, 100)]
+    assert h.scan() == [ev(LimitsChanged, cid=0, devices=expected)]
+    assert h.scan() == []
+
+
+def test_devices_registered_later_are_a_limits_change(root: Path, tmp_path: Path) -> None:
+    # The file is initialised before the first NVML call registers device_num and uuids.
+    d = root / f"{POD}_main"
+    d.mkdir()
+    w = CacheWriter(d / "late.cache", V12, DEVICES, register_devices=False)
+    try:
+        h = Harness(root)
+        assert h.scan()[0] == ev(
+            ContainerAppeared,
+            cid=0,
+            pod_uid=POD,
+            container="main",
+            path=str(w.path),
+            layout="v1.2",
+            devices=[],
+        )
+        w.register_devices()
+        assert h.scan() == [ev(LimitsChanged, cid=0, devices=LIMITS)]
+    finally:
+        w.close()
+
+
+# --- anomalies ------------------------------------------------------------------------------
+
+
+def test_anomaly_once_while_it_persists_and_again_when_it_returns(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    w = make(writers, root, V12, devices=[SimDevice(GPU0, GiB, 100)])
+    w.add_process(1, 501)
+    h = Harness(root)
+    h.scan()
+
+    def over(used: int) -> Body:
+        detail = f"live processes use {used} bytes on device 0, limit {GiB}"
+        return anomaly(w, "over_limit", detail, device=0, value=used)
+
+    w.add_memory(1, 0, "data", GiB + MiB)
+    assert h.scan() == [
+        over(GiB + MiB),
+        ev(UsageSample, cid=0, rows=[row(1, 501, 0, data=GiB + MiB)]),
+    ]
+    w.add_memory(1, 0, "data", MiB)  # still over, by another amount: not reported again
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 501, 0, data=GiB + 2 * MiB)])]
+    w.add_memory(1, 0, "data", -2 * MiB)  # exactly at the limit: gone, silently
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 501, 0, data=GiB)])]
+    w.add_memory(1, 0, "data", 5 * MiB)
+    assert h.scan() == [
+        over(GiB + 5 * MiB),
+        ev(UsageSample, cid=0, rows=[row(1, 501, 0, data=GiB + 5 * MiB)]),
+    ]
+
+
+def test_anomalies_are_per_file(root: Path, writers: list[CacheWriter]) -> None:
+    a = make(writers, root, V11_INTERIM, container="a")
+    b = make(writers, root, V11_INTERIM, container="b")
+    h = Harness(root)
+    assert h.scan() == appeared(a, 0, "a") + appeared(b, 1, "b")
+    assert [x for x in h.scan() if x[0] == "LayoutAnomaly"] == []
+
+
+def write_header(path: Path, major: int, minor: int, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = bytearray(size)
+    data[0:12] = b"".join(x.to_bytes(4, "little") for x in (MAGIC, major, minor))
+    path.write_bytes(bytes(data))
+
+
+def test_garbage_files_are_anomalies_not_crashes(root: Path) -> None:
+    rng = random.Random(5)
+    d = root / f"{POD}_junk"
+    d.mkdir()
+    noise = d / "1-noise.cache"
+    noise.write_bytes(bytes(rng.getrandbits(8) for _ in range(4096)))
+    empty = d / "2-empty.cache"
+    empty.write_bytes(b"")
+    future = d / "3-future.cache"
+    write_header(future, 7, 0, 4096)
+    short = d / "4-short.cache"
+    write_header(short, 1, 2, 5000)
+    os.mkfifo(d / "5-fifo.cache")
+    flag = int.from_bytes(noise.read_bytes()[:4], "little", signed=True)
+
+    h = Harness(root)
+
+    def garbage(cid: int, path: Path, layout: str = "") -> Body:
+        return ev(
+            ContainerAppeared,
+            cid=cid,
+            pod_uid=POD,
+            container="junk",
+            path=str(path),
+            layout=layout,
+            devices=[],
+        )
+
+    assert h.scan() == [
+        anomaly(d / "5-fifo.cache", "skipped_path", "not a regular file", cid=-1),
+        garbage(0, noise),
+        anomaly(noise, "not_initialized", f"initialized_flag is {flag}, not {MAGIC}", cid=0),
+        garbage(1, empty),
+        anomaly(empty, "not_initialized", "empty", cid=1),
+        garbage(2, future),
+        anomaly(future, "unknown_version", "version 7.0 is not a known layout", cid=2),
+        garbage(3, short, "v1.2"),
+        anomaly(short, "truncated", f"5000 bytes, v1.2 needs {V12.region_size}", cid=3),
+    ]
+    assert h.scan() == []  # all persist: nothing new
+    # The short one is grown to its full size (as HAMi-core does): the anomaly goes away.
+    with short.open("r+b") as f:
+        f.truncate(V12.file_size)
+    assert h.scan() == []
+    with short.open("r+b") as f:
+        f.truncate(5000)
+    assert h.scan() == [
+        anomaly(short, "truncated", f"5000 bytes, v1.2 needs {V12.region_size}", cid=3)
+    ]
+
+
+def test_file_initialised_after_it_appeared(root: Path, writers: list[CacheWriter]) -> None:
+    d = root / f"{POD}_main"
+    d.mkdir()
+    path = d / "x.cache"
+    path.write_bytes(bytes(V12.file_size))  # created, not yet initialised
+    h = Harness(root)
+    assert h.scan() == [
+        ev(
+            ContainerAppeared,
+            cid=0,
+            pod_uid=POD,
+            container="main",
+            path=str(path),
+            layout="",
+            devices=[],
+        ),
+        anomaly(path, "not_initialized", f"initialized_flag is 0, not {MAGIC}"),
+    ]
+    w = CacheWriter(path, V12, DEVICES)
+    writers.append(w)
+    assert h.scan() == [ev(LimitsChanged, cid=0, devices=LIMITS)]
+
+
+# --- every layout on one node, heartbeats ---------------------------------------------------
+
+
+def fold(events: list[Event]) -> dict[int, dict[tuple[int, int, int], UsageRow]]:
+    """What a consumer knows from the change events alone: latest rows per live container."""
+    live: dict[int, dict[tuple[int, int, int], UsageRow]] = {}
+    for e in events:
+        if isinstance(e, ContainerAppeared):
+            live[e.cid] = {}
+        elif isinstance(e, ContainerGone):
+            del live[e.cid]
+        elif isinstance(e, ProcessExited):
+            rows = live[e.cid]
+            for k in [k for k in rows if k[:2] == (e.pid, e.hostpid)]:
+                del rows[k]
+        elif isinstance(e, UsageSample):
+            for r in e.rows:
+                live[e.cid][(r.pid, r.hostpid, r.device)] = r
+    return live
+
+
+def test_heartbeat_restates_every_live_key_in_parts_of_64(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    n = 2 * HEARTBEAT_PART + 3
+    layouts = list(LAYOUTS.values())
+    ws = [make(writers, root, layouts[i % len(layouts)], container=f"c{i:03d}") for i in range(n)]
+    h = Harness(root, heartbeat_s=5)
+    for i, w in enumerate(ws):
+        w.add_process(1, 1000 + i)
+        w.add_memory(1, 0, "data", (i + 1) * MiB)
+    h.scan_all(0)
+    for i, w in enumerate(ws[::3]):
+        w.add_process(2, 5000 + i)
+        w.add_memory(2, 1, "module", GiB)
+        w.exit(1)
+    for w in ws[1::3]:
+        w.add_memory(1, 1, "context", 2 * GiB)
+    ws[-1].path.unlink()
+    h.scan_all(1000)
+    events = h.scan_all(4000)
+    hbs = [e for e in events if isinstance(e, Heartbeat)]
+    assert [type(e) for e in events] == [Heartbeat] * 3  # nothing changed, only the heartbeat
+    assert [(hb.part, hb.parts, len(hb.containers)) for hb in hbs] == [
+        (0, 3, HEARTBEAT_PART),
+        (1, 3, HEARTBEAT_PART),
+        (2, 3, n - 1 - 2 * HEARTBEAT_PART),
+    ]
+    assert {hb.interval_ms for hb in hbs} == {5000}
+    assert {hb.files for hb in hbs} == {n - 1}
+    states = [c for hb in hbs for c in hb.containers]
+    assert sorted(c.cid for c in states) == list(range(n - 1))
+    known = fold(h.events)
+    assert {c.cid: {(r.pid, r.hostpid, r.device): r for r in c.rows} for c in states} == known
+    by_cid = {c.cid: c for c in states}
+    for cid, w in enumerate(ws[:-1]):
+        c = by_cid[cid]
+        assert (c.pod_uid, c.container, c.layout) == (POD, f"c{cid:03d}", w.layout.name)
+        assert c.devices == LIMITS
+        assert c.rows == sorted(c.rows, key=lambda r: (r.pid, r.hostpid, r.device))
+    # A state row restates the latest absolute values, e.g. container 1 (context added).
+    assert by_cid[1].rows == [row(1, 1001, 0, data=2 * MiB), row(1, 1001, 1, context=2 * GiB)]
+    # The next heartbeat is due a period after this one.
+    assert not any(isinstance(e, Heartbeat) for e in h.scan_all(4999))
+    assert sum(isinstance(e, Heartbeat) for e in h.scan_all(1)) == 3
+
+
+def test_empty_node_heartbeat_is_one_empty_part(root: Path) -> None:
+    h = Harness(root)
+    (hb,) = h.scan_all()
+    assert isinstance(hb, Heartbeat)
+    assert (hb.part, hb.parts, hb.containers, hb.files) == (0, 1, [], 0)
+
+
+def test_every_layout_side_by_side(root: Path, writers: list[CacheWriter]) -> None:
+    ws = [make(writers, root, lay, container=f"c{i}") for i, lay in enumerate(LAYOUTS.values())]
+    for i, w in enumerate(ws):
+        w.add_process(1, 100 + i)
+        w.add_memory(1, 0, "data", (i + 1) * 256 * MiB)
+        w.watch({100 + i: {0: ((i + 1) * 256 * MiB + 300 * MiB, 10 * i)}})
+    h = Harness(root)
+    expected: list[Body] = []
+    for i, w in enumerate(ws):
+        sm = 0 if w.layout is V0A else 10 * i  # v0a has no utilization fields
+        used = (i + 1) * 256 * MiB
+        expected += appeared(w, i, f"c{i}")
+        expected += [
+            ev(ProcessStarted, cid=i, pid=1, hostpid=100 + i),
+            ev(
+                UsageSample,
+                cid=i,
+                rows=[
+                    row(1, 100 + i, 0, data=used, monitor=used + 300 * MiB, sm=sm),
+                    row(1, 100 + i, 1),
+                ],
+            ),
+        ]
+    assert h.scan() == expected
