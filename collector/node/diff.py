@@ -55,6 +55,9 @@ class FileState:
     procs: set[ProcKey] = field(default_factory=set)
     anomalies: set[AnomalyKey] = field(default_factory=set)
     appeared: bool = False
+    # The last snapshot was unusable (unreadable, garbage): nothing is restated for it, so the
+    # aggregator lets its values lapse after max_gap instead of billing stale ones forever.
+    unobserved: bool = False
 
     def state(self) -> ContainerState:
         rows = [self.rows[k] for k in sorted(self.rows)]
@@ -99,6 +102,13 @@ def diff(
 ) -> list[Event]:
     """Events that take the world from `st` to `snap`; updates `st` in place."""
     events: list[Event] = []
+    if st.appeared and snap.layout is None and st.layout:
+        # A file we could read before is unreadable or garbage now: say so, but a transient
+        # open error or a scribble must not look like every process exiting.
+        st.unobserved = True
+        _report_anomalies(st, list(snap.anomalies), stamp, events)
+        return events
+    st.unobserved = False
     devices = [DeviceLimit(d.index, d.uuid, d.limit_bytes, d.sm_limit) for d in snap.devices]
     layout = snap.layout or ""
     if not st.appeared:
@@ -129,6 +139,41 @@ def diff(
                 detail = f"pid {pid} (host pid {hostpid}) has a slot but no process"
                 anomalies.append(Anomaly("stale_process", detail, value=hostpid))
 
+    _report_anomalies(st, anomalies, stamp, events)
+
+    # A slot left out as torn_read is still there: its process has not exited.
+    torn = any(a.kind == "torn_read" for a in snap.anomalies)
+    gone = set() if torn else st.procs - procs.keys()
+    for pk in sorted(gone):
+        events.append(stamp(ProcessExited, cid=st.cid, pid=pk[0], hostpid=pk[1]))
+        for rk in [rk for rk in st.rows if rk[:2] == pk]:
+            del st.rows[rk]
+    for pk in sorted(procs.keys() - st.procs):
+        events.append(stamp(ProcessStarted, cid=st.cid, pid=pk[0], hostpid=pk[1]))
+    st.procs = (st.procs - gone) | procs.keys()
+
+    changed: list[UsageRow] = []
+    seen: set[RowKey] = set()
+    for rows in procs.values():
+        for row in rows:
+            rk = (row.pid, row.hostpid, row.device)
+            seen.add(rk)
+            if st.rows.get(rk) != row:
+                st.rows[rk] = row
+                changed.append(row)
+    for rk in sorted(k for k in st.rows.keys() - seen if k[:2] not in st.procs or not torn):
+        # The device dropped out of the slot (counters back to zero): state that absolutely.
+        del st.rows[rk]
+        changed.append(UsageRow(rk[0], rk[1], rk[2], 0, 0, 0, 0, 0, 0))
+    if changed:
+        events.append(stamp(UsageSample, cid=st.cid, rows=changed))
+    return events
+
+
+def _report_anomalies(
+    st: FileState, anomalies: list[Anomaly], stamp: Stamp, events: list[Event]
+) -> None:
+    """Each distinct anomaly once while it persists, again when it comes back."""
     current = {_anomaly_key(a) for a in anomalies}
     for a in anomalies:
         key = _anomaly_key(a)
@@ -147,28 +192,3 @@ def diff(
                 )
             )
     st.anomalies = current
-
-    for pk in sorted(st.procs - procs.keys()):
-        events.append(stamp(ProcessExited, cid=st.cid, pid=pk[0], hostpid=pk[1]))
-        for rk in [rk for rk in st.rows if rk[:2] == pk]:
-            del st.rows[rk]
-    for pk in sorted(procs.keys() - st.procs):
-        events.append(stamp(ProcessStarted, cid=st.cid, pid=pk[0], hostpid=pk[1]))
-    st.procs = set(procs)
-
-    changed: list[UsageRow] = []
-    seen: set[RowKey] = set()
-    for rows in procs.values():
-        for row in rows:
-            rk = (row.pid, row.hostpid, row.device)
-            seen.add(rk)
-            if st.rows.get(rk) != row:
-                st.rows[rk] = row
-                changed.append(row)
-    for rk in sorted(st.rows.keys() - seen):
-        # The device dropped out of the slot (counters back to zero): state that absolutely.
-        del st.rows[rk]
-        changed.append(UsageRow(rk[0], rk[1], rk[2], 0, 0, 0, 0, 0, 0))
-    if changed:
-        events.append(stamp(UsageSample, cid=st.cid, rows=changed))
-    return events

@@ -108,7 +108,9 @@ class Scanner:
         return events
 
     def _heartbeat(self, scan_ms: float, spool_depth: int, dropped: int) -> list[Event]:
-        states = [st.state() for _, st in sorted(self._files.items()) if st.appeared]
+        states = [
+            st.state() for _, st in sorted(self._files.items()) if st.appeared and not st.unobserved
+        ]
         parts = [states[i : i + HEARTBEAT_PART] for i in range(0, len(states), HEARTBEAT_PART)]
         parts = parts or [[]]
         return [

@@ -1,0 +1,459 @@
+"""OTLP/HTTP metrics export of closed billing windows and current gauges.
+
+The aggregator calls :meth:`OtlpExporter.record_window` with every batch of closed-window
+:class:`BillingRecord` objects, :meth:`OtlpExporter.set_gauges` with the latest per-container
+values, and then :meth:`OtlpExporter.flush`, which collects and sends one OTLP
+``ExportMetricsServiceRequest`` (http/protobuf, ``POST <endpoint>/v1/metrics``) synchronously.
+There is no background export thread: nothing is sent unless ``flush`` is called.
+
+Metrics
+=======
+
+| Name                            | Instrument      | Unit | Meaning                             |
+|---------------------------------|-----------------|------|-------------------------------------|
+| `hami.gpu.memory.usage`         | Counter         | By.s | memory used (HAMi), byte-seconds    |
+| `hami.gpu.memory.limit`         | Counter         | By.s | memory limit, byte-seconds          |
+| `hami.gpu.memory.nvml`          | Counter         | By.s | memory per NVML, byte-seconds       |
+| `hami.gpu.sm.usage`             | Counter         | %.s  | SM utilisation, percent-seconds (1) |
+| `hami.gpu.sm.limit`             | Counter         | %.s  | SM limit (cores %), percent-seconds |
+| `hami.gpu.observed`             | Counter         | s    | seconds observed on the GPU         |
+| `hami.gpu.memory.used`          | ObservableGauge | By   | memory used now (HAMi)              |
+| `hami.gpu.memory.limit.current` | ObservableGauge | By   | memory limit now                    |
+| `hami.gpu.sm.utilization`       | ObservableGauge | %    | SM utilisation now, 0-100 per GPU   |
+| `hami.gpu.memory.nvml.used`     | ObservableGauge | By   | memory per NVML now                 |
+
+(1) 100 %.s = all SMs of one GPU busy for one second. "memory" is GPU device memory of one
+container on one GPU; "HAMi" = HAMi's own accounting (shared-region cache), "NVML" = what NVML
+attributes to the container's processes; byte-seconds = bytes integrated over time.
+
+Attributes, on every metric (`hw.gpu.uuid` is this project's choice: semconv has no GPU-UUID
+attribute, its `hw.gpu.*` metrics identify the device with `hw.id`):
+
+| Attribute            | Value                                                  |
+|----------------------|--------------------------------------------------------|
+| `k8s.node.name`      | node name                                              |
+| `k8s.pod.uid`        | pod UID                                                |
+| `k8s.container.name` | container name                                         |
+| `hw.gpu.uuid`        | NVIDIA GPU UUID (`GPU-...`)                            |
+| `k8s.namespace.name` | counters only, and only when the record's is non-empty |
+| `k8s.pod.name`       | counters only, and only when the record's is non-empty |
+
+Resource: `service.name=hami-usage-aggregator`, `service.instance.id` (the `service_instance`
+argument, else the host name, i.e. the pod name), the SDK's `telemetry.sdk.*`, and whatever
+`OTEL_RESOURCE_ATTRIBUTES` adds.
+
+Semantics
+=========
+
+Counters are monotonic sums with CUMULATIVE temporality, double values: every export carries
+the total since the exporter was created, so a failed export loses nothing (the next successful
+one carries the whole total). An aggregator restart starts them at 0 with a new
+`start_time_unix_nano`, an ordinary counter reset for OTLP/Prometheus consumers. Average
+memory over an interval = increase(`hami.gpu.memory.usage`) / increase(`hami.gpu.observed`).
+Point timestamps are flush times, not window bounds: the billing records stay the source of
+truth for billing, OTLP is for dashboards and alerts.
+
+Gauges report exactly the series of the latest `set_gauges` list; a container gone from it is
+no longer reported.
+
+Records are de-duplicated by `record_id` (a restart or replay may publish a record again): a
+`record_id` seen among the last `dedupe_capacity` is ignored, counted in `duplicate_records`.
+`revision` is not interpreted (it is always 0 today and part of `record_id`); should corrections
+ever be emitted as replacement records, their earlier revision would have to be subtracted here.
+Negative or non-finite values are never added (logged, counted in `rejected_values`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, set_value
+from opentelemetry.exporter.otlp.proto.http import Compression
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import (
+    Counter,
+    Histogram,
+    MeterProvider,
+    ObservableCounter,
+    ObservableGauge,
+    ObservableUpDownCounter,
+    UpDownCounter,
+)
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    MetricExporter,
+    MetricExportResult,
+    MetricReader,
+    MetricsData,
+)
+from opentelemetry.sdk.resources import Resource
+
+from .records import BillingRecord, Gauge
+
+__all__ = [
+    "ATTR_CONTAINER",
+    "ATTR_GPU_UUID",
+    "ATTR_NAMESPACE",
+    "ATTR_NODE",
+    "ATTR_POD_NAME",
+    "ATTR_POD_UID",
+    "COUNTERS",
+    "GAUGES",
+    "SERVICE_NAME",
+    "Gauge",
+    "OtlpExporter",
+]
+
+_log = logging.getLogger(__name__)
+
+SERVICE_NAME: Final = "hami-usage-aggregator"
+
+ATTR_NODE: Final = "k8s.node.name"
+ATTR_POD_UID: Final = "k8s.pod.uid"
+ATTR_CONTAINER: Final = "k8s.container.name"
+ATTR_NAMESPACE: Final = "k8s.namespace.name"
+ATTR_POD_NAME: Final = "k8s.pod.name"
+ATTR_GPU_UUID: Final = "hw.gpu.uuid"
+
+# (metric name, unit, BillingRecord attribute, description)
+COUNTERS: Final[tuple[tuple[str, str, str, str], ...]] = (
+    (
+        "hami.gpu.memory.usage",
+        "By.s",
+        "memory_byte_seconds",
+        "GPU memory used by the container (HAMi accounting), integrated over time",
+    ),
+    (
+        "hami.gpu.memory.limit",
+        "By.s",
+        "memory_limit_byte_seconds",
+        "GPU memory limit of the container, integrated over time",
+    ),
+    (
+        "hami.gpu.memory.nvml",
+        "By.s",
+        "nvml_memory_byte_seconds",
+        "GPU memory NVML attributes to the container's processes, integrated over time",
+    ),
+    (
+        "hami.gpu.sm.usage",
+        "%.s",
+        "sm_percent_seconds",
+        "SM utilisation integrated over time; 100 = all SMs of one GPU for one second",
+    ),
+    (
+        "hami.gpu.sm.limit",
+        "%.s",
+        "sm_limit_percent_seconds",
+        "SM limit (core percentage) integrated over time; 100 = one whole GPU for one second",
+    ),
+    (
+        "hami.gpu.observed",
+        "s",
+        "observed_seconds",
+        "Seconds the container was observed on the GPU",
+    ),
+)
+
+# (metric name, unit, Gauge attribute, description)
+GAUGES: Final[tuple[tuple[str, str, str, str], ...]] = (
+    ("hami.gpu.memory.used", "By", "memory_used_bytes", "GPU memory used now (HAMi accounting)"),
+    ("hami.gpu.memory.limit.current", "By", "memory_limit_bytes", "GPU memory limit now"),
+    ("hami.gpu.sm.utilization", "%", "sm_percent", "SM utilisation now, 0-100 per GPU"),
+    ("hami.gpu.memory.nvml.used", "By", "nvml_memory_bytes", "GPU memory NVML reports now"),
+)
+
+_COUNTER_FIELDS: Final = tuple(c[2] for c in COUNTERS)
+
+_CUMULATIVE: Final[dict[type, AggregationTemporality]] = {
+    cls: AggregationTemporality.CUMULATIVE
+    for cls in (
+        Counter,
+        UpDownCounter,
+        Histogram,
+        ObservableCounter,
+        ObservableUpDownCounter,
+        ObservableGauge,
+    )
+}
+
+_COMPRESSION: Final = {
+    "none": Compression.NoCompression,
+    "gzip": Compression.Gzip,
+    "deflate": Compression.Deflate,
+}
+
+_OVERFLOW_ATTRIBUTE: Final = "otel.metric.overflow"
+
+
+def _metrics_url(endpoint: str) -> str:
+    """A base URL (no path) gets the OTLP/HTTP metrics path; any other path is kept."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"OTLP endpoint must be an http(s) URL, got {endpoint!r}")
+    if parts.path in ("", "/"):
+        parts = parts._replace(path="/v1/metrics")
+    return urlunsplit(parts)
+
+
+class _OnDemandReader(MetricReader):
+    """A reader that exports only when :meth:`flush` is called and reports whether it worked.
+
+    (``PeriodicExportingMetricReader.force_flush`` always returns True, even when the export
+    failed, so it cannot tell the caller that the collector is down.)
+    """
+
+    def __init__(self, exporter: MetricExporter, max_series: int) -> None:
+        super().__init__(
+            preferred_temporality=_CUMULATIVE,
+            cardinality_limits={Counter: max_series, ObservableGauge: max_series},
+        )
+        self._exporter = exporter
+        self._result: MetricExportResult | None = None
+        self.overflow = False
+
+    def _receive_metrics(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> None:
+        self.overflow = self.overflow or _has_overflow(metrics_data)
+        token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
+        try:
+            self._result = self._exporter.export(metrics_data, timeout_millis=timeout_millis)
+        except Exception:
+            _log.exception("OTLP metric export raised")
+            self._result = MetricExportResult.FAILURE
+        finally:
+            detach(token)
+
+    def flush(self, timeout_millis: float) -> bool:
+        self._result = None
+        self.collect(timeout_millis=timeout_millis)
+        # None: nothing was collected, so nothing needed sending.
+        return self._result is not MetricExportResult.FAILURE
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._exporter.shutdown(timeout_millis=timeout_millis)
+
+
+def _has_overflow(metrics_data: MetricsData) -> bool:
+    for rm in metrics_data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for point in getattr(metric.data, "data_points", ()):
+                    if point.attributes and point.attributes.get(_OVERFLOW_ATTRIBUTE):
+                        return True
+    return False
+
+
+class OtlpExporter:
+    """Exports billing-window counters and current gauges over OTLP/HTTP (protobuf).
+
+    Thread-safe. ``flush`` blocks the calling thread for at most about ``timeout_s`` (the
+    exporter retries connection errors and 429/502/503/504 with back-off inside that budget);
+    call it from a worker thread (``asyncio.to_thread``) in async code.
+
+    :param endpoint: the collector's OTLP/HTTP base URL (``http://collector:4318``, to which
+        ``/v1/metrics`` is appended) or full metrics URL (any URL with a non-root path).
+    :param service_instance: ``service.instance.id``; default: the host name (the pod name).
+    :param timeout_s: upper bound of one flush (connect + send + retries).
+    :param headers: extra HTTP headers (e.g. authorization).
+    :param compression: ``none`` (default), ``gzip`` or ``deflate`` request bodies.
+    :param max_series: most attribute sets per metric kept over the exporter's lifetime (the
+        cumulative counters remember every container ever seen); beyond it the SDK folds new
+        series into one ``otel.metric.overflow=true`` series -- logged once as an error and
+        visible as ``overflowed``.
+    :param dedupe_capacity: how many ``record_id`` values are remembered for de-duplication.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        service_instance: str = "",
+        timeout_s: float = 10,
+        headers: dict[str, str] | None = None,
+        compression: Literal["none", "gzip", "deflate"] = "none",
+        max_series: int = 100_000,
+        dedupe_capacity: int = 100_000,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        if compression not in _COMPRESSION:
+            raise ValueError(f"compression must be one of {sorted(_COMPRESSION)}")
+        self.endpoint = _metrics_url(endpoint)
+        self.timeout_s = float(timeout_s)
+        self.service_instance = service_instance or socket.gethostname()
+        self.failed_exports = 0
+        self.successful_exports = 0
+        self.duplicate_records = 0
+        self.rejected_values = 0
+
+        self._exporter = OTLPMetricExporter(
+            endpoint=self.endpoint,
+            headers=dict(headers or {}),
+            timeout=self.timeout_s,
+            compression=_COMPRESSION[compression],
+            preferred_temporality=_CUMULATIVE,
+        )
+        self._reader = _OnDemandReader(self._exporter, max_series)
+        self._provider = MeterProvider(
+            resource=Resource.create(
+                {"service.name": SERVICE_NAME, "service.instance.id": self.service_instance}
+            ),
+            metric_readers=[self._reader],
+            shutdown_on_exit=False,
+        )
+        meter = self._provider.get_meter("collector.aggregate.otlp")
+        self._counters = tuple(
+            (field, meter.create_counter(name, unit=unit, description=desc))
+            for name, unit, field, desc in COUNTERS
+        )
+        self._gauges: tuple[Gauge, ...] = ()
+        for name, unit, field, desc in GAUGES:
+            meter.create_observable_gauge(
+                name, callbacks=[self._gauge_callback(field)], unit=unit, description=desc
+            )
+
+        self._lock = threading.Lock()  # record_window bookkeeping
+        self._flush_lock = threading.Lock()  # one export at a time
+        self._seen: OrderedDict[str, None] = OrderedDict()  # recent record ids, oldest first
+        self._dedupe_capacity = max(0, dedupe_capacity)
+        self._closed = False
+        self._overflow_logged = False
+
+    @property
+    def overflowed(self) -> bool:
+        """True once some metric exceeded ``max_series`` attribute sets."""
+        return self._reader.overflow
+
+    # -- counters -------------------------------------------------------------------------
+
+    def record_window(self, records: Sequence[BillingRecord]) -> None:
+        """Add closed-window records to the cumulative counters (sent at the next ``flush``)."""
+        if self._closed:
+            _log.warning("OtlpExporter is shut down; %d records not recorded", len(records))
+            return
+        with self._lock:
+            for rec in records:
+                self._record(rec)
+
+    def _record(self, rec: BillingRecord) -> None:
+        record_id = rec.record_id
+        if record_id and record_id in self._seen:
+            self.duplicate_records += 1
+            _log.debug("record %s already exported, ignored", record_id)
+            return
+        attrs = _record_attributes(rec)
+        for field, counter in self._counters:
+            value = float(getattr(rec, field))
+            if not math.isfinite(value) or value < 0.0:
+                self.rejected_values += 1
+                _log.warning(
+                    "not exporting %s=%r of record %s (negative or not finite)",
+                    field,
+                    value,
+                    record_id,
+                )
+            elif value > 0.0:
+                counter.add(value, attrs)
+        if record_id and self._dedupe_capacity:
+            self._seen[record_id] = None
+            while len(self._seen) > self._dedupe_capacity:
+                self._seen.popitem(last=False)
+
+    # -- gauges ---------------------------------------------------------------------------
+
+    def set_gauges(self, gauges: Iterable[Gauge]) -> None:
+        """Replace the current gauge values (read at the next ``flush``)."""
+        self._gauges = tuple(gauges)
+
+    def _gauge_callback(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(int(getattr(g, field)), _gauge_attributes(g)) for g in self._gauges]
+
+        return callback
+
+    # -- export ---------------------------------------------------------------------------
+
+    def flush(self) -> bool:
+        """Collect and export now; True if accepted (or nothing to send). Never raises.
+
+        A failure is logged and counted in ``failed_exports``; nothing is lost (the counters
+        are cumulative, the next successful flush carries the totals).
+        """
+        if self._closed:
+            return False
+        started = time.monotonic()
+        with self._flush_lock:
+            try:
+                ok = self._reader.flush(timeout_millis=self.timeout_s * 1000)
+            except Exception:
+                _log.exception("OTLP metric collection failed")
+                ok = False
+            if ok:
+                self.successful_exports += 1
+            else:
+                self.failed_exports += 1
+            if self._reader.overflow and not self._overflow_logged:
+                self._overflow_logged = True
+                _log.error(
+                    "more than max_series attribute sets on a metric: new series are merged "
+                    "into otel.metric.overflow=true; raise max_series or restart the aggregator"
+                )
+        if not ok:
+            _log.warning(
+                "OTLP metric export to %s failed after %.1fs (%d failures so far)",
+                self.endpoint,
+                time.monotonic() - started,
+                self.failed_exports,
+            )
+        return ok
+
+    def shutdown(self) -> None:
+        """Flush once more, then release the HTTP connection. Idempotent; never raises."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        try:
+            self._provider.shutdown(timeout_millis=self.timeout_s * 1000)
+        except Exception:
+            _log.exception("OTLP meter provider shutdown failed")
+
+    def __enter__(self) -> OtlpExporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _record_attributes(rec: BillingRecord) -> dict[str, str]:
+    attrs = {
+        ATTR_NODE: rec.node,
+        ATTR_POD_UID: rec.pod_uid,
+        ATTR_CONTAINER: rec.container,
+        ATTR_GPU_UUID: rec.device_uuid,
+    }
+    if rec.namespace:
+        attrs[ATTR_NAMESPACE] = rec.namespace
+    if rec.pod:
+        attrs[ATTR_POD_NAME] = rec.pod
+    return attrs
+
+
+def _gauge_attributes(g: Gauge) -> dict[str, str]:
+    return {
+        ATTR_NODE: g.node,
+        ATTR_POD_UID: g.pod_uid,
+        ATTR_CONTAINER: g.container,
+        ATTR_GPU_UUID: g.device_uuid,
+    }

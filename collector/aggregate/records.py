@@ -1,0 +1,180 @@
+"""Billing records (topic `hami.billing.v1`, CSV and JSONL files) and current-value gauges.
+
+A record covers one tumbling window x node x pod UID x container x device UUID. The aggregator
+integrates in integer milli-units (byte-milliseconds, percent-milliseconds) and divides by 1000
+only here, so the same input always gives bit-identical floats, and therefore identical bytes in
+every encoding below.
+
+`record_id` is derived from the record's identity and revision only (never from its values), so
+a consumer can de-duplicate a record that a restart publishes again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from typing import Final
+
+import msgspec
+
+__all__ = [
+    "CSV_FIELDS",
+    "BillingRecord",
+    "Gauge",
+    "csv_header",
+    "csv_row",
+    "from_msgpack",
+    "iso_utc",
+    "jsonl_line",
+    "make_record_id",
+    "to_msgpack",
+]
+
+
+class BillingRecord(msgspec.Struct, frozen=True):
+    """Usage of one container on one GPU during one window. Seconds are milli-units / 1000."""
+
+    window_start_ms: int
+    window_end_ms: int
+    node: str
+    pod_uid: str
+    container: str
+    device_uuid: str
+    memory_byte_seconds: float
+    memory_limit_byte_seconds: float
+    nvml_memory_byte_seconds: float
+    sm_percent_seconds: float
+    sm_limit_percent_seconds: float
+    peak_memory_bytes: int
+    observed_seconds: float
+    samples: int
+    record_id: str
+    namespace: str = ""
+    pod: str = ""
+    # Always 0 today (late events are counted, not corrected); kept so corrections can be added
+    # without a schema change.
+    revision: int = 0
+
+
+class Gauge(msgspec.Struct, frozen=True):
+    """Current values of one container on one GPU (for OTLP gauges)."""
+
+    node: str
+    pod_uid: str
+    container: str
+    device_uuid: str
+    memory_used_bytes: int
+    memory_limit_bytes: int
+    sm_percent: int
+    nvml_memory_bytes: int
+
+
+def make_record_id(
+    window_start_ms: int,
+    node: str,
+    pod_uid: str,
+    container: str,
+    device_uuid: str,
+    revision: int = 0,
+) -> str:
+    text = f"{window_start_ms}|{node}|{pod_uid}|{container}|{device_uuid}|{revision}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def iso_utc(ms: int) -> str:
+    """`2026-11-29T22:37:00Z`; milliseconds are shown only when not zero."""
+    seconds, millis = divmod(ms, 1000)
+    text = dt.datetime.fromtimestamp(seconds, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{text}.{millis:03d}Z" if millis else f"{text}Z"
+
+
+# --- msgpack (Kafka) -----------------------------------------------------------------------
+
+# Map encoding (field names on the wire): the billing topic is read by other teams' tools.
+_msgpack_encoder: Final = msgspec.msgpack.Encoder()
+_msgpack_decoder: Final = msgspec.msgpack.Decoder(BillingRecord)
+
+
+def to_msgpack(record: BillingRecord) -> bytes:
+    return _msgpack_encoder.encode(record)
+
+
+def from_msgpack(payload: bytes) -> BillingRecord:
+    return _msgpack_decoder.decode(payload)
+
+
+# --- CSV -----------------------------------------------------------------------------------
+
+_SECONDS_FIELDS: Final = (
+    "memory_byte_seconds",
+    "memory_limit_byte_seconds",
+    "nvml_memory_byte_seconds",
+    "sm_percent_seconds",
+    "sm_limit_percent_seconds",
+)
+CSV_FIELDS: Final[tuple[str, ...]] = (
+    "window_start",
+    "window_end",
+    "node",
+    "pod_uid",
+    "container",
+    "device_uuid",
+    "namespace",
+    "pod",
+    *_SECONDS_FIELDS,
+    "peak_memory_bytes",
+    "observed_seconds",
+    "samples",
+    "record_id",
+    "revision",
+)
+
+
+def csv_header() -> list[str]:
+    return list(CSV_FIELDS)
+
+
+def _seconds(x: float) -> str:
+    # Values are n/1000 for an integer n, so three decimals print them exactly.
+    return f"{x:.3f}"
+
+
+def csv_row(record: BillingRecord) -> list[str]:
+    """One row in `CSV_FIELDS` order (quote it with the csv module)."""
+    r = record
+    return [
+        iso_utc(r.window_start_ms),
+        iso_utc(r.window_end_ms),
+        r.node,
+        r.pod_uid,
+        r.container,
+        r.device_uuid,
+        r.namespace,
+        r.pod,
+        _seconds(r.memory_byte_seconds),
+        _seconds(r.memory_limit_byte_seconds),
+        _seconds(r.nvml_memory_byte_seconds),
+        _seconds(r.sm_percent_seconds),
+        _seconds(r.sm_limit_percent_seconds),
+        str(r.peak_memory_bytes),
+        _seconds(r.observed_seconds),
+        str(r.samples),
+        r.record_id,
+        str(r.revision),
+    ]
+
+
+# --- JSON lines ----------------------------------------------------------------------------
+
+_json_encoder: Final = msgspec.json.Encoder()
+
+
+def jsonl_line(record: BillingRecord) -> bytes:
+    """One JSON object and a trailing newline: the ISO window bounds first, then every record
+    field. `msgspec.json.decode(line, type=BillingRecord)` gives the record back."""
+    obj: dict[str, object] = {
+        "window_start": iso_utc(record.window_start_ms),
+        "window_end": iso_utc(record.window_end_ms),
+    }
+    obj.update(msgspec.structs.asdict(record))
+    return _json_encoder.encode(obj) + b"\n"

@@ -1,0 +1,413 @@
+"""OtlpExporter against a real OTLP/HTTP receiver on loopback."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+from otlp_receiver import Attrs, OtlpReceiver, Received
+
+from collector.aggregate.otlp import COUNTERS, GAUGES, OtlpExporter, _metrics_url
+from collector.aggregate.records import Gauge
+
+try:  # the real struct; the documented shape while records.py is not there
+    from collector.aggregate.records import BillingRecord
+except ImportError:  # pragma: no cover - depends on what is checked in
+
+    class BillingRecord(msgspec.Struct, frozen=True):  # type: ignore[no-redef]
+        window_start_ms: int
+        window_end_ms: int
+        node: str
+        pod_uid: str
+        container: str
+        device_uuid: str
+        memory_byte_seconds: float
+        memory_limit_byte_seconds: float
+        nvml_memory_byte_seconds: float
+        sm_percent_seconds: float
+        sm_limit_percent_seconds: float
+        peak_memory_bytes: int
+        observed_seconds: float
+        samples: int
+        record_id: str
+        namespace: str = ""
+        pod: str = ""
+        revision: int = 0
+
+
+CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE in OTLP
+COUNTER_NAMES = {c[0] for c in COUNTERS}
+GAUGE_NAMES = {g[0] for g in GAUGES}
+UNITS = {name: unit for name, unit, _, _ in (*COUNTERS, *GAUGES)}
+GPU = "GPU-3f1c2a8e-1111-2222-3333-444455556666"
+
+
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as r:
+        yield r
+
+
+def make_record(window: int, container: str, scale: float, **overrides: Any) -> BillingRecord:
+    pod_uid = f"uid-{container}"
+    fields: dict[str, Any] = {
+        "window_start_ms": window * 60_000,
+        "window_end_ms": (window + 1) * 60_000,
+        "node": "node-a",
+        "pod_uid": pod_uid,
+        "container": container,
+        "device_uuid": GPU,
+        "memory_byte_seconds": 1.5e9 * scale,
+        "memory_limit_byte_seconds": 4.0e9 * scale,
+        "nvml_memory_byte_seconds": 1.25e9 * scale,
+        "sm_percent_seconds": 1234.5 * scale,
+        "sm_limit_percent_seconds": 3000.0 * scale,
+        "peak_memory_bytes": 2_000_000_000,
+        "observed_seconds": 59.5 * scale,
+        "samples": 60,
+        "record_id": f"{pod_uid}/{container}/{GPU}/{window}",
+    }
+    if container == "trainer":  # one container with pod metadata, one without
+        fields |= {"namespace": "ml", "pod": "train-0"}
+    fields |= overrides
+    return BillingRecord(**fields)
+
+
+def counter_attrs(rec: BillingRecord) -> Attrs:
+    base = {
+        "k8s.node.name": rec.node,
+        "k8s.pod.uid": rec.pod_uid,
+        "k8s.container.name": rec.container,
+        "hw.gpu.uuid": rec.device_uuid,
+    }
+    if rec.namespace:
+        base["k8s.namespace.name"] = rec.namespace
+    if rec.pod:
+        base["k8s.pod.name"] = rec.pod
+    return frozenset(base.items())
+
+
+def gauge_attrs(g: Gauge) -> Attrs:
+    return frozenset(
+        {
+            "k8s.node.name": g.node,
+            "k8s.pod.uid": g.pod_uid,
+            "k8s.container.name": g.container,
+            "hw.gpu.uuid": g.device_uuid,
+        }.items()
+    )
+
+
+def expected_counters(records: list[BillingRecord]) -> dict[str, dict[Attrs, float]]:
+    out: dict[str, dict[Attrs, float]] = {}
+    for name, _, field, _ in COUNTERS:
+        points: dict[Attrs, float] = {}
+        for rec in records:
+            key = counter_attrs(rec)
+            points[key] = points.get(key, 0.0) + getattr(rec, field)
+        out[name] = points
+    return out
+
+
+def assert_counters(got: Received, records: list[BillingRecord]) -> None:
+    metrics = got.metrics()
+    for name, points in expected_counters(records).items():
+        m = metrics[name]
+        assert (m.kind, m.unit, m.is_monotonic, m.temporality) == (
+            "sum",
+            UNITS[name],
+            True,
+            CUMULATIVE,
+        ), name
+        assert m.points.keys() == points.keys(), name
+        for key, value in points.items():
+            assert isinstance(m.points[key], float)
+            assert m.points[key] == pytest.approx(value, rel=1e-12), (name, key)
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_windows_counters_and_gauges(receiver: OtlpReceiver) -> None:
+    w1 = [make_record(1, "trainer", 1.0), make_record(1, "sidecar", 0.25)]
+    w2 = [make_record(2, "trainer", 2.0), make_record(2, "sidecar", 0.5)]
+    gauges = [
+        Gauge(
+            "node-a", "uid-trainer", "trainer", GPU, 3_000_000_000, 8_000_000_000, 73, 2_900_000_000
+        ),
+        Gauge("node-a", "uid-sidecar", "sidecar", GPU, 100_000_000, 1_000_000_000, 5, 90_000_000),
+    ]
+    exporter = OtlpExporter(receiver.endpoint, service_instance="aggregator-0", timeout_s=5)
+    try:
+        exporter.record_window(w1)
+        assert exporter.flush() is True
+        exporter.record_window(w2)
+        exporter.set_gauges(gauges)
+        assert exporter.flush() is True
+    finally:
+        exporter.shutdown()
+
+    first, second = receiver.wait_for(2)[:2]
+    assert first.path == second.path == "/v1/metrics"
+    assert first.headers["content-type"] == "application/x-protobuf"
+
+    # Window 1 only: the counters, no gauges yet.
+    assert set(first.metrics()) == COUNTER_NAMES
+    assert_counters(first, w1)
+
+    # Window 2: cumulative totals of both windows, plus the gauges.
+    assert set(second.metrics()) == COUNTER_NAMES | GAUGE_NAMES
+    assert_counters(second, w1 + w2)
+    for name in COUNTER_NAMES:  # same cumulative stream: same start time
+        assert second.metrics()[name].start_times == first.metrics()[name].start_times
+
+    metrics = second.metrics()
+    for name, unit, field, _ in GAUGES:
+        m = metrics[name]
+        assert (m.kind, m.unit) == ("gauge", unit)
+        assert m.points == {gauge_attrs(g): getattr(g, field) for g in gauges}
+        assert all(isinstance(v, int) for v in m.points.values())
+
+    # the exact attribute sets
+    trainer = frozenset(
+        {
+            ("k8s.node.name", "node-a"),
+            ("k8s.pod.uid", "uid-trainer"),
+            ("k8s.container.name", "trainer"),
+            ("hw.gpu.uuid", GPU),
+            ("k8s.namespace.name", "ml"),
+            ("k8s.pod.name", "train-0"),
+        }
+    )
+    sidecar = frozenset(
+        {
+            ("k8s.node.name", "node-a"),
+            ("k8s.pod.uid", "uid-sidecar"),
+            ("k8s.container.name", "sidecar"),
+            ("hw.gpu.uuid", GPU),
+        }
+    )
+    assert set(metrics["hami.gpu.memory.usage"].points) == {trainer, sidecar}
+    assert metrics["hami.gpu.memory.usage"].points[trainer] == pytest.approx(1.5e9 * 3)
+    assert metrics["hami.gpu.sm.usage"].points[sidecar] == pytest.approx(1234.5 * 0.75)
+
+    for got in (first, second):
+        resource = got.resource_attributes()
+        assert resource["service.name"] == "hami-usage-aggregator"
+        assert resource["service.instance.id"] == "aggregator-0"
+    # The final flush in shutdown() sent the same totals once more.
+    assert exporter.failed_exports == 0
+    assert exporter.successful_exports == 3
+
+
+def test_gauges_report_only_the_latest_list(receiver: OtlpReceiver) -> None:
+    a = Gauge("node-a", "uid-1", "c1", GPU, 10, 100, 50, 11)
+    b = Gauge("node-a", "uid-2", "c2", GPU, 20, 200, 25, 21)
+    a2 = Gauge("node-a", "uid-1", "c1", GPU, 15, 100, 60, 16)
+    exporter = OtlpExporter(receiver.endpoint, service_instance="x", timeout_s=5)
+    try:
+        exporter.set_gauges([a, b])
+        assert exporter.flush()
+        exporter.set_gauges([a2])
+        assert exporter.flush()
+        exporter.set_gauges([])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    got = receiver.wait_for(2)
+    assert got[0].metrics()["hami.gpu.memory.used"].points == {
+        gauge_attrs(a): 10,
+        gauge_attrs(b): 20,
+    }
+    assert got[1].metrics()["hami.gpu.sm.utilization"].points == {gauge_attrs(a2): 60}
+    # Nothing left to report: either no request or one without these metrics.
+    for later in got[2:]:
+        assert not set(later.metrics()) & GAUGE_NAMES
+
+
+def test_accepts_the_records_module_gauge(receiver: OtlpReceiver) -> None:
+    records = pytest.importorskip("collector.aggregate.records")
+    if not hasattr(records, "Gauge"):
+        pytest.skip("records.Gauge not defined")
+    g = records.Gauge("node-a", "uid-1", "c1", GPU, 10, 100, 50, 11)
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    try:
+        exporter.set_gauges([g])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    metrics = receiver.wait_for(1)[0].metrics()
+    assert metrics["hami.gpu.memory.nvml.used"].points == {gauge_attrs(g): 11}
+
+
+def test_dead_endpoint_fails_fast_and_is_counted() -> None:
+    timeout_s = 1.0
+    exporter = OtlpExporter(f"http://127.0.0.1:{dead_port()}", timeout_s=timeout_s)
+    exporter.record_window([make_record(1, "trainer", 1.0)])
+    exporter.set_gauges([Gauge("node-a", "uid-1", "c1", GPU, 1, 2, 3, 4)])
+    started = time.monotonic()
+    assert exporter.flush() is False
+    assert time.monotonic() - started < timeout_s + 2
+    assert exporter.failed_exports == 1
+    assert exporter.successful_exports == 0
+    started = time.monotonic()
+    exporter.shutdown()  # one more (failing) flush, then close: no exception
+    assert time.monotonic() - started < timeout_s + 2
+    assert exporter.failed_exports == 2
+    assert exporter.flush() is False  # after shutdown: refused, not raised
+
+
+def test_stalled_collector_is_bounded_by_timeout(receiver: OtlpReceiver) -> None:
+    receiver.delay_s = 5.0
+    timeout_s = 1.0
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=timeout_s)
+    exporter.record_window([make_record(1, "trainer", 1.0)])
+    started = time.monotonic()
+    assert exporter.flush() is False
+    assert time.monotonic() - started < timeout_s + 2
+    assert exporter.failed_exports == 1
+    receiver.delay_s = 0.0
+
+
+def test_failed_export_loses_nothing(receiver: OtlpReceiver) -> None:
+    w1 = [make_record(1, "trainer", 1.0)]
+    w2 = [make_record(2, "trainer", 3.0)]
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=2)
+    try:
+        receiver.fail_status = 500  # not retryable: fails at once
+        exporter.record_window(w1)
+        assert exporter.flush() is False
+        assert exporter.failed_exports == 1
+        assert receiver.attempts == 1
+        receiver.fail_status = None
+        exporter.record_window(w2)
+        assert exporter.flush() is True
+    finally:
+        exporter.shutdown()
+    assert_counters(receiver.wait_for(1)[0], w1 + w2)
+
+
+def test_gzip_and_headers(receiver: OtlpReceiver) -> None:
+    exporter = OtlpExporter(
+        receiver.endpoint + "/",
+        timeout_s=5,
+        compression="gzip",
+        headers={"Authorization": "Bearer t0ken"},
+    )
+    try:
+        exporter.record_window([make_record(1, "trainer", 1.0)])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    got = receiver.wait_for(1)[0]
+    assert got.headers["content-encoding"] == "gzip"
+    assert got.headers["authorization"] == "Bearer t0ken"
+    assert_counters(got, [make_record(1, "trainer", 1.0)])
+
+
+def test_duplicate_record_ids_are_added_once(receiver: OtlpReceiver) -> None:
+    r1 = make_record(1, "trainer", 1.0)
+    r2 = make_record(2, "trainer", 2.0)
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    try:
+        exporter.record_window([r1, r1])
+        assert exporter.flush()
+        exporter.record_window([r2, r1])  # r1 published again (replay after a restart)
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    assert exporter.duplicate_records == 2
+    assert_counters(receiver.wait_for(2)[1], [r1, r2])
+
+
+def test_dedupe_capacity_bounds_memory(receiver: OtlpReceiver) -> None:
+    r1, r2, r3 = (make_record(w, "trainer", 1.0) for w in (1, 2, 3))
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5, dedupe_capacity=2)
+    try:
+        exporter.record_window([r1, r2, r3])  # r1 forgotten once r3 is remembered
+        exporter.record_window([r3, r1])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    assert exporter.duplicate_records == 1
+    assert_counters(receiver.wait_for(1)[0], [r1, r2, r3, r1])
+
+
+def test_invalid_values_are_not_added(receiver: OtlpReceiver) -> None:
+    bad = make_record(1, "trainer", 1.0, memory_byte_seconds=float("nan"), sm_percent_seconds=-5.0)
+    inf = make_record(2, "trainer", 1.0, observed_seconds=float("inf"))
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    try:
+        exporter.record_window([bad, inf])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    assert exporter.rejected_values == 3
+    metrics = receiver.wait_for(1)[0].metrics()
+    key = counter_attrs(bad)
+    assert metrics["hami.gpu.memory.usage"].points[key] == pytest.approx(1.5e9)  # window 2 only
+    assert metrics["hami.gpu.sm.usage"].points[key] == pytest.approx(1234.5)
+    assert metrics["hami.gpu.observed"].points[key] == pytest.approx(59.5)
+    assert metrics["hami.gpu.memory.limit"].points[key] == pytest.approx(8.0e9)
+
+
+def test_series_overflow_is_reported(
+    receiver: OtlpReceiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5, max_series=2)
+    try:
+        exporter.record_window([make_record(1, f"c{i}", 1.0) for i in range(3)])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    assert exporter.overflowed
+    assert "max_series" in caplog.text
+    points = receiver.wait_for(1)[0].metrics()["hami.gpu.observed"].points
+    assert frozenset({("otel.metric.overflow", True)}) in points
+    assert sum(points.values()) == pytest.approx(59.5 * 3)
+
+
+def test_nothing_recorded_flush_succeeds(receiver: OtlpReceiver) -> None:
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    try:
+        assert exporter.flush() is True
+        assert exporter.failed_exports == 0
+    finally:
+        exporter.shutdown()
+
+
+def test_service_instance_defaults_to_host_name(receiver: OtlpReceiver) -> None:
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    try:
+        exporter.record_window([make_record(1, "trainer", 1.0)])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    resource = receiver.wait_for(1)[0].resource_attributes()
+    assert resource["service.instance.id"] == socket.gethostname()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "url"),
+    [
+        ("http://collector:4318", "http://collector:4318/v1/metrics"),
+        ("http://collector:4318/", "http://collector:4318/v1/metrics"),
+        ("https://otlp.example/v1/metrics", "https://otlp.example/v1/metrics"),
+        ("https://otlp.example/custom/path", "https://otlp.example/custom/path"),
+    ],
+)
+def test_endpoint_url(endpoint: str, url: str) -> None:
+    assert _metrics_url(endpoint) == url
+
+
+@pytest.mark.parametrize("endpoint", ["collector:4318", "", "/v1/metrics"])
+def test_endpoint_must_be_a_url(endpoint: str) -> None:
+    with pytest.raises(ValueError):
+        OtlpExporter(endpoint)

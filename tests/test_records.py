@@ -1,0 +1,220 @@
+"""Billing record identity and encodings, and the exactly-once file sinks."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from collector.aggregate.records import (
+    CSV_FIELDS,
+    BillingRecord,
+    csv_row,
+    from_msgpack,
+    iso_utc,
+    jsonl_line,
+    make_record_id,
+    to_msgpack,
+)
+from collector.aggregate.sinks import CsvSink, JsonlSink
+
+T0 = 1_795_991_820_000  # 2026-11-29T22:37:00Z
+
+
+def record(window_start_ms: int = T0, pod_uid: str = "uid-1", **kw: object) -> BillingRecord:
+    fields: dict[str, object] = {
+        "window_start_ms": window_start_ms,
+        "window_end_ms": window_start_ms + 60_000,
+        "node": "n1",
+        "pod_uid": pod_uid,
+        "container": "main",
+        "device_uuid": "GPU-0",
+        "memory_byte_seconds": 6_000.5,
+        "memory_limit_byte_seconds": 60_000.0,
+        "nvml_memory_byte_seconds": 7_200.125,
+        "sm_percent_seconds": 1_800.0,
+        "sm_limit_percent_seconds": 3_000.0,
+        "peak_memory_bytes": 300,
+        "observed_seconds": 59.999,
+        "samples": 3,
+        "record_id": make_record_id(window_start_ms, "n1", pod_uid, "main", "GPU-0"),
+    }
+    fields.update(kw)
+    return msgspec.convert(fields, BillingRecord)
+
+
+def test_record_id_is_deterministic_and_documented() -> None:
+    rid = make_record_id(T0, "n1", "uid-1", "main", "GPU-0", 0)
+    text = f"{T0}|n1|uid-1|main|GPU-0|0"
+    assert rid == hashlib.sha256(text.encode()).hexdigest()[:32]
+    assert rid == make_record_id(T0, "n1", "uid-1", "main", "GPU-0")
+    assert len(rid) == 32 and int(rid, 16) >= 0
+
+
+def test_record_id_is_distinct_per_component() -> None:
+    base = (T0, "n1", "uid-1", "main", "GPU-0", 0)
+    variants = [
+        (T0 + 60_000, "n1", "uid-1", "main", "GPU-0", 0),
+        (T0, "n2", "uid-1", "main", "GPU-0", 0),
+        (T0, "n1", "uid-2", "main", "GPU-0", 0),
+        (T0, "n1", "uid-1", "side", "GPU-0", 0),
+        (T0, "n1", "uid-1", "main", "GPU-1", 0),
+        (T0, "n1", "uid-1", "main", "GPU-0", 1),
+    ]
+    ids = {make_record_id(*v) for v in [base, *variants]}
+    assert len(ids) == 7
+
+
+def test_iso_formatting() -> None:
+    assert iso_utc(T0) == "2026-11-29T22:37:00Z"
+    assert iso_utc(0) == "1970-01-01T00:00:00Z"
+    assert iso_utc(T0 + 1_500) == "2026-11-29T22:37:01.500Z"
+
+
+def test_csv_header_is_exact() -> None:
+    assert list(CSV_FIELDS) == [
+        "window_start",
+        "window_end",
+        "node",
+        "pod_uid",
+        "container",
+        "device_uuid",
+        "namespace",
+        "pod",
+        "memory_byte_seconds",
+        "memory_limit_byte_seconds",
+        "nvml_memory_byte_seconds",
+        "sm_percent_seconds",
+        "sm_limit_percent_seconds",
+        "peak_memory_bytes",
+        "observed_seconds",
+        "samples",
+        "record_id",
+        "revision",
+    ]
+
+
+def test_csv_row_values() -> None:
+    r = record(namespace="team-a", pod="train-0")
+    assert csv_row(r) == [
+        "2026-11-29T22:37:00Z",
+        "2026-11-29T22:38:00Z",
+        "n1",
+        "uid-1",
+        "main",
+        "GPU-0",
+        "team-a",
+        "train-0",
+        "6000.500",
+        "60000.000",
+        "7200.125",
+        "1800.000",
+        "3000.000",
+        "300",
+        "59.999",
+        "3",
+        r.record_id,
+        "0",
+    ]
+
+
+def test_jsonl_round_trip() -> None:
+    r = record(namespace="team-a")
+    line = jsonl_line(r)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    obj = msgspec.json.decode(line)
+    assert list(obj)[:2] == ["window_start", "window_end"]
+    assert obj["window_start"] == "2026-11-29T22:37:00Z"
+    assert obj["window_end"] == "2026-11-29T22:38:00Z"
+    assert msgspec.json.decode(line, type=BillingRecord) == r
+    assert jsonl_line(r) == line  # byte-stable
+
+
+def test_msgpack_round_trip() -> None:
+    r = record()
+    assert from_msgpack(to_msgpack(r)) == r
+    assert to_msgpack(r) == to_msgpack(record())
+
+
+def read_csv(path: Path) -> list[list[str]]:
+    return list(csv.reader(io.StringIO(path.read_text())))
+
+
+def test_csv_sink_writes_header_once(tmp_path: Path) -> None:
+    path = tmp_path / "billing.csv"
+    with CsvSink(path) as sink:
+        sink.write([record()])
+    with CsvSink(path) as sink:  # reopened without a checkpoint: appends, no second header
+        sink.write([record(pod_uid="uid-2")])
+    rows = read_csv(path)
+    assert rows[0] == list(CSV_FIELDS)
+    assert [r[3] for r in rows[1:]] == ["uid-1", "uid-2"]
+
+
+def test_csv_sink_resume_truncates_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "billing.csv"
+    a, b, c = record(T0), record(T0 + 60_000), record(T0 + 120_000)
+    sink = CsvSink(path)
+    sink.write([a])
+    sink.flush()
+    committed = sink.tell()
+    assert committed == path.stat().st_size
+    sink.write([b])  # written but never committed: the process dies here
+    sink.flush()
+    sink.close()
+    assert path.stat().st_size > committed
+
+    resumed = CsvSink(path, resume_at=committed)
+    assert resumed.tell() == committed == path.stat().st_size
+    resumed.write([b, c])  # the recomputed records
+    resumed.close()
+    rows = read_csv(path)
+    assert rows[0] == list(CSV_FIELDS)
+    assert [r[0] for r in rows[1:]] == [
+        "2026-11-29T22:37:00Z",
+        "2026-11-29T22:38:00Z",
+        "2026-11-29T22:39:00Z",
+    ]
+    assert resumed.tell() == path.stat().st_size
+
+
+def test_csv_sink_resume_at_zero_starts_over_with_a_header(tmp_path: Path) -> None:
+    path = tmp_path / "billing.csv"
+    with CsvSink(path) as sink:
+        sink.write([record()])
+    with CsvSink(path, resume_at=0) as sink:
+        sink.write([record(pod_uid="uid-9")])
+    rows = read_csv(path)
+    assert rows[0] == list(CSV_FIELDS)
+    assert [r[3] for r in rows[1:]] == ["uid-9"]
+
+
+def test_sink_shorter_than_its_checkpoint_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "billing.jsonl"
+    path.write_bytes(b"")
+    with JsonlSink(path, resume_at=100) as sink:
+        assert sink.missing_bytes == 100
+        sink.write([record()])
+    assert msgspec.json.decode(path.read_bytes(), type=BillingRecord) == record()
+    with pytest.raises(ValueError):
+        JsonlSink(path, resume_at=-1)
+
+
+def test_jsonl_sink_resume_truncates_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "billing.jsonl"
+    a, b = record(T0), record(T0 + 60_000)
+    sink = JsonlSink(path)
+    assert sink.tell() == 0  # no header
+    sink.write([a])
+    sink.flush()
+    committed = sink.tell()
+    sink.write([b])
+    sink.close()
+    with JsonlSink(path, resume_at=committed) as resumed:
+        resumed.write([b])
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert lines == [jsonl_line(a), jsonl_line(b)]
