@@ -698,3 +698,56 @@ def test_every_layout_side_by_side(root: Path, writers: list[CacheWriter]) -> No
             ),
         ]
     assert h.scan() == expected
+
+
+# --- reads that fail part-way ----------------------------------------------------------------
+
+
+def test_a_torn_slot_is_not_an_exit(root: Path, writers: list[CacheWriter]) -> None:
+    w = make(writers, root, V12)
+    h = Harness(root, heartbeat_s=0.001)  # a heartbeat every scan
+    h.scan()
+    w.add_process(10, 1010)
+    w.add_memory(10, 0, "data", GiB)
+    h.scan()
+    # A writer dies inside its seqlock bracket: the seqlock stays odd and the slot is left out.
+    w.region.procs[0].seqlock += 1
+    torn = h.scan()
+    assert [b for b in torn if b[0] != "LayoutAnomaly"] == []
+    assert [b[1]["anomaly"] for b in torn] == ["torn_read"]
+    heartbeat = h.events[-1]
+    assert isinstance(heartbeat, Heartbeat)
+    assert heartbeat.containers[0].rows == [row(10, 1010, 0, data=GiB), row(10, 1010, 1)]
+    # The bracket closes: the process is read again, unchanged, with no start event.
+    w.region.procs[0].seqlock += 1
+    assert h.scan() == []
+
+
+def test_a_file_that_turns_unreadable_keeps_its_processes_but_is_not_restated(
+    root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = make(writers, root, V12)
+    w.add_process(10, 1010)
+    w.add_memory(10, 0, "data", GiB)
+    h = Harness(root, heartbeat_s=0.001)
+    h.scan()
+    real = scan_module.read_snapshot
+
+    def denied(path: Any, **kw: Any) -> Any:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(scan_module, "read_snapshot", denied)
+    assert h.scan() == [anomaly(w, "unreadable", "open: Permission denied")]
+    heartbeat = h.events[-1]
+    assert isinstance(heartbeat, Heartbeat)
+    assert heartbeat.containers == []  # values lapse after max_gap instead of being restated
+    monkeypatch.setattr(scan_module, "read_snapshot", real)
+    w.add_memory(10, 0, "data", GiB)
+    assert h.scan() == [
+        ev(UsageSample, cid=0, rows=[row(10, 1010, 0, data=2 * GiB)]),
+    ]
+    heartbeat = h.events[-1]
+    assert isinstance(heartbeat, Heartbeat)
+    assert [c.rows for c in heartbeat.containers] == [
+        [row(10, 1010, 0, data=2 * GiB), row(10, 1010, 1)]
+    ]
