@@ -116,11 +116,15 @@ def _u64x3(raw: bytes, geo: Geometry, d: int) -> tuple[int, int, int]:
 
 
 def plain_inconsistent(fd: int, geo: Geometry, slot_size: int) -> int:
-    """Read slot 0 once with no seqlock; how many devices have total != context + data."""
-    raw = os.pread(fd, slot_size, geo.slot)
+    """Read slot 0 with no seqlock, as a field-by-field reader would (HAMi's monitor reads
+    fields one at a time): the slot, then `total` of each device again. How many devices
+    have total != context + data."""
+    raw = bytearray(os.pread(fd, slot_size, geo.slot))
     bad = 0
     for d in range(NDEV):
-        ctx, data, total = _u64x3(raw, geo, d)
+        at = geo.used + d * geo.stride + geo.total
+        raw[at : at + 8] = os.pread(fd, 8, geo.slot + at)
+        ctx, data, total = _u64x3(bytes(raw), geo, d)
         bad += total != ctx + data
     return bad
 
