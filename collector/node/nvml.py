@@ -259,7 +259,7 @@ class NvmlReading:
     devices: dict[int, NvmlDevice] = field(default_factory=dict)
     processes: dict[str, list[NvmlProcess]] = field(default_factory=dict)  # leaf uuid -> procs
     errors: dict[str, str] = field(default_factory=dict)
-    unexpected: list[BaseException] = field(default_factory=list)  # non-NVML errors (bugs?)
+    unexpected: dict[str, BaseException] = field(default_factory=dict)  # non-NVML (bugs?)
 
 
 def read_all(api: NvmlApi) -> NvmlReading:
@@ -272,7 +272,7 @@ def read_all(api: NvmlApi) -> NvmlReading:
         except Exception as exc:
             reading.errors[scope] = describe(exc)
             if not _is_nvml_error(exc):
-                reading.unexpected.append(exc)
+                reading.unexpected[scope] = exc
             return None
 
     count = attempt("device_count", api.device_count)
@@ -355,6 +355,7 @@ class NvmlSource:
         self._inflight: Future[NvmlReading] | None = None
         self._inflight_since = 0.0
         self._closed = False
+        self._logged: set[str] = set()  # scopes whose unexpected error was logged
 
     @classmethod
     def open(
@@ -394,8 +395,10 @@ class NvmlSource:
             self.stats.last_poll_ms = (time.monotonic() - started) * 1000
         if reading.errors:
             self.stats.nvml_errors += 1
-        for exc in reading.unexpected:
-            self._log.error("unexpected error from an NVML call", exc_info=exc)
+        for scope, exc in reading.unexpected.items():
+            if scope not in self._logged:  # once while it persists, like the anomaly
+                self._log.error("unexpected error from an NVML call (%s)", scope, exc_info=exc)
+        self._logged = set(reading.unexpected)
         return Poll(reading)
 
     def close(self) -> None:
