@@ -116,6 +116,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     import os
     import socket
 
+    from .node.crosscheck import DriftTolerance
     from .node.service import CollectSettings, collect
     from .transport.kafka import ProducerSettings, QuietRetries
 
@@ -144,6 +145,9 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         log_max_bytes=cfg.log_max_bytes,
         fsync=cfg.fsync,
         max_scans=cfg.max_scans,
+        nvml=cfg.nvml,
+        nvml_timeout_s=cfg.nvml_timeout,
+        drift=DriftTolerance(cfg.drift_tolerance_bytes, cfg.drift_tolerance_ratio),
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     for handler in logging.getLogger().handlers:
@@ -294,6 +298,10 @@ COLLECT_FLAGS = [
     "host_proc",
     "linger_ms",
     "max_scans",
+    "nvml",
+    "nvml_timeout",
+    "drift_tolerance_bytes",
+    "drift_tolerance_ratio",
 ]
 
 
@@ -344,6 +352,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--linger-ms", type=int, help="Kafka producer linger (default 50)")
     p.add_argument("--max-scans", type=int, help="stop after this many scans")
+    p.add_argument(
+        "--nvml",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="NVML inventory and cross-check (default on; off by itself without a driver)",
+    )
+    p.add_argument(
+        "--nvml-timeout", type=float, help="bound on one interval's NVML calls (default 2 s)"
+    )
+    p.add_argument(
+        "--drift-tolerance-bytes",
+        type=int,
+        help="accounting_drift beyond max(this, ratio x NVML) (default 64 MiB)",
+    )
+    p.add_argument("--drift-tolerance-ratio", type=float, help="see above (default 0.05)")
     p.set_defaults(func=_cmd_collect)
 
     p = sub.add_parser("aggregate", help="events -> windowed billing records and OTLP metrics")

@@ -40,6 +40,10 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     linger_ms: NonNegativeInt = 50
     compression: str = "gzip"
     max_scans: PositiveInt | None = None
+    nvml: bool = True  # off by itself, with one log line, where there is no driver
+    nvml_timeout: Positive = 2.0
+    drift_tolerance_bytes: NonNegativeInt = 64 * 1024 * 1024
+    drift_tolerance_ratio: Annotated[float, Meta(ge=0)] = 0.05
 
 
 class AggregateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -742,3 +742,33 @@ def test_merge_processes() -> None:
         [NvmlProcess(5, None), NvmlProcess(3, 10)],
         [NvmlProcess(5, 7), NvmlProcess(3, 12), NvmlProcess(3, None), NvmlProcess(1, None)],
     ) == [NvmlProcess(1, None), NvmlProcess(3, 12), NvmlProcess(5, 7)]
+
+
+def test_scanner_emits_inventory_and_drift_in_its_own_sequence(tmp_path: Path) -> None:
+    """The integration the collector runs: the cross-check rides on each scan's sequence."""
+    from collector.events import DeviceInventory, LayoutAnomaly, NodeDeviceSample
+    from collector.node.scan import Scanner
+
+    root = tmp_path / "containers"
+    uuid = "GPU-12345678-1234-4234-8234-123456789abc"
+    w = new_cache_file(root, "pod-1", "main", V12, [SimDevice(uuid, 8 * GiB)])
+    try:
+        w.add_process(7, 4242)
+        w.add_memory(7, 0, "data", 1 * GiB)
+        fake = FakeNvml(gpus=[FakeGpu(uuid, memory_used=3 * GiB, processes={4242: 3 * GiB})])
+        source = NvmlSource.open(api_factory=lambda: fake)
+        assert source is not None
+        scanner = Scanner(root, heartbeat_s=3600, inc=1, crosscheck=CrossCheck(source))
+        events = scanner.scan(now_ms=1_000) + scanner.scan(now_ms=2_000)
+        assert [e.seq for e in events] == list(range(len(events)))
+        inventory = [e for e in events if isinstance(e, DeviceInventory)]
+        assert [[d.uuid for d in e.devices] for e in inventory] == [[uuid]]
+        drift = [
+            e for e in events if isinstance(e, LayoutAnomaly) and e.anomaly == "accounting_drift"
+        ]
+        assert [(e.cid, e.ts, e.value) for e in drift] == [(0, 2_000, 3 * GiB)]
+        samples = [e for e in events if isinstance(e, NodeDeviceSample)]
+        assert [r.memory_used for e in samples for r in e.rows] == [3 * GiB, 3 * GiB]
+        scanner.crosscheck.close()  # type: ignore[union-attr]
+    finally:
+        w.close()

@@ -15,6 +15,7 @@ from typing import Any
 from ..events import SCHEMA_VERSION, ContainerGone, Event, Heartbeat, LayoutAnomaly
 from ..layout.reader import read_snapshot
 from ..layout.snapshot import Anomaly, empty_snapshot
+from .crosscheck import CrossCheck
 from .diff import FileState, diff
 
 HEARTBEAT_PART = 64  # containers per heartbeat message, to keep messages well under 1 MB
@@ -37,12 +38,14 @@ class Scanner:
         heartbeat_s: float,
         host_proc: str | None = None,
         inc: int | None = None,
+        crosscheck: CrossCheck | None = None,
     ) -> None:
         from .discover import Discovery
 
         self.discovery = Discovery(root)
         self.heartbeat_ms = int(heartbeat_s * 1000)
         self.host_proc = host_proc
+        self.crosscheck = crosscheck
         self.inc = secrets.randbits(31) if inc is None else inc
         self.seq = 0
         self.stats = ScanStats()
@@ -92,6 +95,8 @@ class Scanner:
             if gone.appeared:
                 events.append(self._stamp(ContainerGone, cid=gone.cid))
         self._files = present
+        if self.crosscheck is not None:
+            events += self.crosscheck.check(self._ts, self._files.values(), self._stamp)
 
         elapsed_ms = (time.perf_counter() - started) * 1000
         self.stats.scans += 1

@@ -18,6 +18,8 @@ from pathlib import Path
 from ..events import Event, encode
 from ..transport.kafka import KafkaForwarder, ProducerSettings
 from ..transport.locallog import LocalLog
+from .crosscheck import CrossCheck, DriftTolerance
+from .nvml import NvmlSource
 from .scan import Scanner
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ class CollectSettings:
     fsync: bool = False
     shutdown_timeout_s: float = 10.0
     max_scans: int | None = None  # stop after this many scans (tests, demo)
+    nvml: bool = True  # off by itself, with one log line, where there is no driver
+    nvml_timeout_s: float = 2.0
+    drift: DriftTolerance = DriftTolerance()
 
 
 @dataclass
@@ -47,8 +52,20 @@ class CollectorStatus:
 class Collector:
     def __init__(self, settings: CollectSettings) -> None:
         self.settings = settings
+        crosscheck = None
+        source = NvmlSource.open(log, timeout_s=settings.nvml_timeout_s) if settings.nvml else None
+        if source is not None:
+            # The inventory is restated with each heartbeat, like every other live key.
+            crosscheck = CrossCheck(
+                source,
+                tolerance=settings.drift,
+                inventory_every_ms=int(settings.heartbeat_s * 1000),
+            )
         self.scanner = Scanner(
-            settings.root, heartbeat_s=settings.heartbeat_s, host_proc=settings.host_proc
+            settings.root,
+            heartbeat_s=settings.heartbeat_s,
+            host_proc=settings.host_proc,
+            crosscheck=crosscheck,
         )
         self.log = LocalLog(
             settings.log_dir, max_bytes=settings.log_max_bytes, fsync=settings.fsync
@@ -102,6 +119,8 @@ class Collector:
             self.stopping.set()
             if forward is not None and self.forwarder is not None:
                 await self._stop_forwarder(forward, self.forwarder)
+            if self.scanner.crosscheck is not None:
+                self.scanner.crosscheck.close()
             self.log.flush()
             self.log.close()
             log.info(
