@@ -61,9 +61,20 @@ def _hostile_file(root: Path) -> None:
     writer.close()
 
 
-def _progress(msg: str) -> None:
-    sys.stderr.write(f"\r{msg:<78}")
-    sys.stderr.flush()
+class _Progress:
+    """One rewritten line on a terminal; a plain line every few seconds otherwise (logs)."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, msg: str, *, final: bool = False) -> None:
+        if self.tty:
+            sys.stderr.write(f"\r{msg:<78}" + ("\n" if final else ""))
+        elif final or time.monotonic() - self._last >= 5:
+            self._last = time.monotonic()
+            sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
 
 
 async def _collect_and_simulate(
@@ -78,18 +89,20 @@ async def _collect_and_simulate(
             kafka=kafka,
             interval_s=s.interval_s,
             heartbeat_s=s.heartbeat_s,
+            nvml=False,  # simulated files: the real GPUs' processes would all be unaccounted
         )
     )
     task = asyncio.create_task(collector.run())
     sim = NodeSimulator(root, s.containers, "mixed", seed=s.seed)
     _hostile_file(root)
     truth = GroundTruth()
+    progress = _Progress()
     start = time.monotonic()
     try:
         while (elapsed := time.monotonic() - start) < s.duration_s:
             sim.step(time.time())
             truth.observe(int(time.time() * 1000), sim.containers)
-            _progress(
+            progress(
                 f"demo: {elapsed:4.1f}/{s.duration_s:.0f} s, {collector.status.appended} "
                 f"events, {len(sim.containers)} containers"
             )
@@ -103,8 +116,7 @@ async def _collect_and_simulate(
     finally:
         collector.stopping.set()
         await task
-    _progress(f"demo: collected {collector.status.appended} events; aggregating")
-    sys.stderr.write("\n")
+    progress(f"demo: collected {collector.status.appended} events; aggregating", final=True)
     return truth
 
 
@@ -160,22 +172,24 @@ async def run_demo(s: DemoSettings) -> DemoResult:
 
 def format_report(result: DemoResult) -> str:
     per: dict[tuple[str, str], dict[str, float]] = {}
+    per_device: dict[tuple[tuple[str, str], str], list[float]] = {}
     for row in result.rows:
         key = (row["pod_uid"][:8] + "…", row["container"])
-        acc = per.setdefault(
-            key, {"gib_h": 0.0, "sm_h": 0.0, "peak": 0.0, "limit_bs": 0.0, "observed": 0.0}
-        )
+        acc = per.setdefault(key, {"gib_h": 0.0, "sm_h": 0.0, "peak": 0.0})
         acc["gib_h"] += float(row["memory_byte_seconds"]) / GiB / 3600
         acc["sm_h"] += float(row["sm_percent_seconds"]) / 100 / 3600
         acc["peak"] = max(acc["peak"], float(row["peak_memory_bytes"]) / GiB)
-        acc["limit_bs"] += float(row["memory_limit_byte_seconds"])
-        acc["observed"] += float(row["observed_seconds"])
+        limits = per_device.setdefault((key, row["device_uuid"]), [0.0, 0.0])
+        limits[0] += float(row["memory_limit_byte_seconds"])
+        limits[1] += float(row["observed_seconds"])
     lines = [
         f"{'pod':<10} {'container':<10} {'GiB·h':>10} {'SM-hours':>10} {'peak GiB':>9} "
         f"{'limit GiB':>9}",
     ]
     for (pod, ctr), a in sorted(per.items(), key=lambda kv: kv[0][1]):
-        limit = a["limit_bs"] / a["observed"] / GiB if a["observed"] else 0.0
+        # The limit over the container's devices, each averaged over the time it was observed.
+        limit = sum(bs / obs for (k, _), (bs, obs) in per_device.items() if k == (pod, ctr) and obs)
+        limit /= GiB
         lines.append(
             f"{pod:<10} {ctr:<10} {a['gib_h']:>10.6f} {a['sm_h']:>10.6f} "
             f"{a['peak']:>9.3f} {limit:>9.2f}"
