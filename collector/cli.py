@@ -148,6 +148,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         nvml=cfg.nvml,
         nvml_timeout_s=cfg.nvml_timeout,
         drift=DriftTolerance(cfg.drift_tolerance_bytes, cfg.drift_tolerance_ratio),
+        metrics_port=cfg.metrics_port,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     for handler in logging.getLogger().handlers:
@@ -302,6 +303,7 @@ COLLECT_FLAGS = [
     "nvml_timeout",
     "drift_tolerance_bytes",
     "drift_tolerance_ratio",
+    "metrics_port",
 ]
 
 
@@ -367,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="accounting_drift beyond max(this, ratio x NVML) (default 64 MiB)",
     )
     p.add_argument("--drift-tolerance-ratio", type=float, help="see above (default 0.05)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics (HAMi's metric "
+        "names) and /healthz on this port; default off",
+    )
     p.set_defaults(func=_cmd_collect)
 
     p = sub.add_parser("aggregate", help="events -> windowed billing records and OTLP metrics")

@@ -44,6 +44,7 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     nvml_timeout: Positive = 2.0
     drift_tolerance_bytes: NonNegativeInt = 64 * 1024 * 1024
     drift_tolerance_ratio: Annotated[float, Meta(ge=0)] = 0.05
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
 
 
 class AggregateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -166,6 +166,7 @@ def test_kustomization_renders_the_expected_objects() -> None:
         ("Deployment", "hami-usage-aggregator"),
         ("Deployment", "otel-collector"),
         ("Service", "otel-collector"),
+        ("Service", "hami-usage-collector-metrics"),
         ("ConfigMap", "hami-usage-config"),
         ("ConfigMap", "otel-collector-config"),
     }
@@ -263,13 +264,11 @@ def test_collector_daemonset() -> None:
     assert spec["hostPID"] is True
     assert args[args.index("--host-proc") + 1] == "/proc"
 
-    # Probes: the newest log segment must have been written recently.
+    # Probes: the collector's own /healthz on the metrics port it is told to serve.
+    port = int(args[args.index("--metrics-port") + 1])
+    assert collector["ports"] == [{"name": "metrics", "containerPort": port}]
     for probe in ("livenessProbe", "readinessProbe"):
-        command = collector[probe]["exec"]["command"]
-        assert command[:2] == ["sh", "-c"]
-        assert "/var/lib/hami-usage/events" in command[2]
-        assert "-newermt" in command[2]
-        assert "*.log" in command[2]
+        assert collector[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
 
     # GPU nodes only, tainted ones included.
     assert spec["nodeSelector"] == {"gpu": "on"}

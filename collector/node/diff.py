@@ -58,6 +58,7 @@ class FileState:
     # The last snapshot was unusable (unreadable, garbage): nothing is restated for it, so the
     # aggregator lets its values lapse after max_gap instead of billing stale ones forever.
     unobserved: bool = False
+    last_kernel_time: int | None = None
 
     def state(self) -> ContainerState:
         rows = [self.rows[k] for k in sorted(self.rows)]
@@ -109,6 +110,7 @@ def diff(
         _report_anomalies(st, list(snap.anomalies), stamp, events)
         return events
     st.unobserved = False
+    st.last_kernel_time = snap.last_kernel_time
     devices = [DeviceLimit(d.index, d.uuid, d.limit_bytes, d.sm_limit) for d in snap.devices]
     layout = snap.layout or ""
     if not st.appeared:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..events import SCHEMA_VERSION, ContainerGone, Event, Heartbeat, LayoutAnomaly
+from ..events import SCHEMA_VERSION, ContainerGone, ContainerState, Event, Heartbeat, LayoutAnomaly
 from ..layout.reader import read_snapshot
 from ..layout.snapshot import Anomaly, empty_snapshot
 from .crosscheck import CrossCheck
@@ -49,6 +49,7 @@ class Scanner:
         self.inc = secrets.randbits(31) if inc is None else inc
         self.seq = 0
         self.stats = ScanStats()
+        self.published: list[tuple[ContainerState, int | None]] = []
         self._files: dict[tuple[str, int], FileState] = {}
         self._skipped: set[tuple[str, str]] = set()
         self._next_cid = 0
@@ -110,6 +111,12 @@ class Scanner:
             self._last_heartbeat_ms = self._ts
             events += self._heartbeat(elapsed_ms, spool_depth, dropped)
         self.stats.events += len(events)
+        # Read by the /metrics endpoint on the event loop: replaced whole, never mutated.
+        self.published = [
+            (st.state(), st.last_kernel_time)
+            for _, st in sorted(self._files.items())
+            if st.appeared and not st.unobserved
+        ]
         return events
 
     def _heartbeat(self, scan_ms: float, spool_depth: int, dropped: int) -> list[Event]:

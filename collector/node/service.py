@@ -19,6 +19,7 @@ from ..events import Event, encode
 from ..transport.kafka import KafkaForwarder, ProducerSettings
 from ..transport.locallog import LocalLog
 from .crosscheck import CrossCheck, DriftTolerance
+from .metrics import Health, MetricsServer
 from .nvml import NvmlSource
 from .scan import Scanner
 
@@ -41,6 +42,7 @@ class CollectSettings:
     nvml: bool = True  # off by itself, with one log line, where there is no driver
     nvml_timeout_s: float = 2.0
     drift: DriftTolerance = DriftTolerance()
+    metrics_port: int | None = None  # Prometheus /metrics and /healthz; None: off
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Collector:
             KafkaForwarder(settings.kafka, self.log, settings.log_dir) if settings.kafka else None
         )
         self.status = CollectorStatus()
+        self._last_scan = time.monotonic()
         self.stopping = asyncio.Event()
         self._key = settings.node.encode()
 
@@ -98,8 +101,32 @@ class Collector:
     def spool_depth(self) -> int:
         return self.forwarder.depth() if self.forwarder else 0
 
+    def health(self) -> Health:
+        st = self.scanner.stats
+        return Health(
+            scans=st.scans,
+            last_scan_ms=st.last_scan_ms,
+            files=st.files,
+            anomalies=st.anomalies,
+            events=st.events,
+            appended=self.status.appended,
+            dropped=self.status.dropped,
+            spool_depth=self.spool_depth(),
+            seconds_since_scan=time.monotonic() - self._last_scan,
+        )
+
     async def run(self) -> None:
         forward = asyncio.create_task(self.forwarder.run(self.stopping)) if self.forwarder else None
+        self.metrics: MetricsServer | None = None
+        if self.settings.metrics_port is not None:
+            self.metrics = MetricsServer(
+                self.settings.metrics_port,
+                lambda: self.scanner.published,
+                self.health,
+                stale_after_s=max(30.0, 5 * self.settings.interval_s),
+            )
+            port = await self.metrics.start()
+            log.info("metrics on :%d/metrics, health on /healthz", port)
         scans = 0
         try:
             next_at = time.monotonic()
@@ -108,6 +135,7 @@ class Collector:
                     self.scanner.scan, spool_depth=self.spool_depth(), dropped=self.status.dropped
                 )
                 self._append(events)
+                self._last_scan = time.monotonic()
                 scans += 1
                 if self.settings.max_scans is not None and scans >= self.settings.max_scans:
                     break
@@ -117,6 +145,8 @@ class Collector:
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
         finally:
             self.stopping.set()
+            if self.metrics is not None:
+                await self.metrics.stop()
             if forward is not None and self.forwarder is not None:
                 await self._stop_forwarder(forward, self.forwarder)
             if self.scanner.crosscheck is not None:
