@@ -329,9 +329,13 @@ def snapshot_fd(fd: int, path: str, *, retries: int = DEFAULT_RETRIES) -> Snapsh
     devices: list[DeviceInfo] = []
     for d in range(ndev):
         off = layout.uuids + d * UUID_LEN
-        uuid, valid = _uuid(header[off : off + UUID_LEN])
+        raw = header[off : off + UUID_LEN]
+        uuid, valid = _uuid(raw)
         if not valid:
-            anomalies.append(Anomaly("invalid_uuid", f"uuid {uuid!r} on device {d}", device=d))
+            # The stored bytes up to the NUL, as a bytes literal: exact and printable.
+            stored = raw.split(b"\0", 1)[0]
+            detail = f"uuid {stored!r} on device {d}"
+            anomalies.append(Anomaly("invalid_uuid", detail, device=d))
         devices.append(DeviceInfo(d, uuid, limits[d], sm_limits[d]))
 
     tail_len = layout.region_size - layout.proc_num
