@@ -7,37 +7,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import pytest
 from otlp_receiver import Attrs, OtlpReceiver, Received
 
 from collector.aggregate.otlp import COUNTERS, GAUGES, OtlpExporter, _metrics_url
-from collector.aggregate.records import Gauge
-
-try:  # the real struct; the documented shape while records.py is not there
-    from collector.aggregate.records import BillingRecord
-except ImportError:  # pragma: no cover - depends on what is checked in
-
-    class BillingRecord(msgspec.Struct, frozen=True):  # type: ignore[no-redef]
-        window_start_ms: int
-        window_end_ms: int
-        node: str
-        pod_uid: str
-        container: str
-        device_uuid: str
-        memory_byte_seconds: float
-        memory_limit_byte_seconds: float
-        nvml_memory_byte_seconds: float
-        sm_percent_seconds: float
-        sm_limit_percent_seconds: float
-        peak_memory_bytes: int
-        observed_seconds: float
-        samples: int
-        record_id: str
-        namespace: str = ""
-        pod: str = ""
-        revision: int = 0
-
+from collector.aggregate.records import BillingRecord, Gauge
 
 CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE in OTLP
 COUNTER_NAMES = {c[0] for c in COUNTERS}
@@ -230,21 +204,6 @@ def test_gauges_report_only_the_latest_list(receiver: OtlpReceiver) -> None:
     # Nothing left to report: either no request or one without these metrics.
     for later in got[2:]:
         assert not set(later.metrics()) & GAUGE_NAMES
-
-
-def test_accepts_the_records_module_gauge(receiver: OtlpReceiver) -> None:
-    records = pytest.importorskip("collector.aggregate.records")
-    if not hasattr(records, "Gauge"):
-        pytest.skip("records.Gauge not defined")
-    g = records.Gauge("node-a", "uid-1", "c1", GPU, 10, 100, 50, 11)
-    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
-    try:
-        exporter.set_gauges([g])
-        assert exporter.flush()
-    finally:
-        exporter.shutdown()
-    metrics = receiver.wait_for(1)[0].metrics()
-    assert metrics["hami.gpu.memory.nvml.used"].points == {gauge_attrs(g): 11}
 
 
 def test_dead_endpoint_fails_fast_and_is_counted() -> None:
