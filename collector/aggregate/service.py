@@ -73,13 +73,15 @@ class Outputs:
 
     @classmethod
     def open(
-        cls, csv: str | None, jsonl: str | None, otlp: str | None, resume: Checkpoint
+        cls, csv: str | None, jsonl: str | None, otlp: str | None, resume: Checkpoint | None
     ) -> Outputs:
+        """resume: the last committed checkpoint; files are cut back to its lengths. None (no
+        checkpoint yet): files are appended to as they are."""
         out = cls()
         if csv:
-            out.csv = CsvSink(Path(csv), resume_at=resume.csv_bytes)
+            out.csv = CsvSink(Path(csv), resume_at=resume.csv_bytes if resume else None)
         if jsonl:
-            out.jsonl = JsonlSink(Path(jsonl), resume_at=resume.jsonl_bytes)
+            out.jsonl = JsonlSink(Path(jsonl), resume_at=resume.jsonl_bytes if resume else None)
         if otlp:
             from .otlp import OtlpExporter
 
@@ -94,7 +96,8 @@ class Outputs:
         self.written += len(records)
 
     def export(self, records: list[BillingRecord], aggregators: Iterable[Aggregator]) -> None:
-        """OTLP is best effort (metrics, not the record of truth); failures are counted there."""
+        """OTLP is best effort (metrics, not the record of truth); failures are counted there.
+        Blocking HTTP with a timeout: callers run it in a worker thread."""
         if self.otlp is None:
             return
         from .otlp import OtlpExporter
@@ -192,7 +195,9 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     position, meta = committed if committed else (0, "")
     resume = parse_checkpoint(meta)
     agg = Aggregator(settings.window, emitted_until_ms=resume.emitted_until_ms)
-    outputs = Outputs.open(settings.csv, settings.jsonl, settings.otlp, resume)
+    outputs = Outputs.open(
+        settings.csv, settings.jsonl, settings.otlp, resume if committed else None
+    )
     last_commit = time.monotonic()
     try:
         while not stopping.is_set():
@@ -219,7 +224,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     needed,
                     msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode(),
                 )
-                outputs.export(records, [agg])
+                await asyncio.to_thread(outputs.export, records, [agg])
                 last_commit = time.monotonic()
             if done:
                 break
@@ -267,20 +272,27 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 positions.pop(tp, None)
 
         async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+            # aiokafka already hands out records of the new partitions while this runs, and
+            # the main loop skips those of a partition it has no aggregator for. So every
+            # await comes first; then, with no await in between, each partition is positioned
+            # (what was fetched or skipped before is read again from there) and gets its
+            # aggregator: a non-empty `aggs` is the whole assignment (drain end offsets, file
+            # resume points).
+            if not assigned:
+                return
             committed = await admin.list_consumer_group_offsets(
                 settings.group, partitions=list(assigned)
             )
+            begins = await consumer.beginning_offsets(list(assigned))
             for tp in assigned:
                 om = committed.get(tp)
                 meta = parse_checkpoint(om.metadata if om is not None else None)
-                resume_meta.append(meta)
+                if om is not None and om.metadata:
+                    resume_meta.append(meta)
+                start = om.offset if om is not None and om.offset >= 0 else begins[tp]
+                consumer.seek(tp, start)
+                positions[tp] = start
                 aggs[tp] = Aggregator(settings.window, emitted_until_ms=meta.emitted_until_ms)
-                if om is not None and om.offset >= 0:
-                    consumer.seek(tp, om.offset)
-                    positions[tp] = om.offset
-                else:
-                    await consumer.seek_to_beginning(tp)
-                    positions[tp] = await consumer.position(tp)
 
     await admin.start()
     await producer.start()
@@ -288,16 +300,16 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     await consumer.start()
     outputs: Outputs | None = None
     try:
-        # Wait for the first assignment: the file outputs resume from its checkpoint.
+        # Wait for the first assignment: the file outputs resume from its checkpoint. The
+        # group join runs in aiokafka's own task; a getmany here would hand out (and this
+        # loop drop) records of partitions that are being assigned.
         while not aggs and not stopping.is_set():
-            await consumer.getmany(timeout_ms=200, max_records=1)  # drives the group join
-            if aggs:
-                break
+            await asyncio.sleep(0.05)
         outputs = Outputs.open(
             settings.csv,
             settings.jsonl,
             settings.otlp,
-            max(resume_meta, key=lambda m: m.csv_bytes + m.jsonl_bytes, default=Checkpoint()),
+            max(resume_meta, key=lambda m: m.csv_bytes + m.jsonl_bytes, default=None),
         )
         ends = await consumer.end_offsets(list(aggs)) if settings.drain else {}
         last_commit = time.monotonic()
@@ -342,7 +354,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 except BaseException:
                     await producer.abort_transaction()
                     raise
-                outputs.export(records, aggs.values())
+                await asyncio.to_thread(outputs.export, records, list(aggs.values()))
                 last_commit = time.monotonic()
             if done:
                 break

@@ -1,0 +1,387 @@
+"""End to end from the real broker: our consumption path next to the same job on Quix Streams.
+
+    .venv/bin/python bench/bench_e2e.py [--rows 200000] [--quix-python /tmp/quixvenv/bin/python]
+                                        [--bootstrap HOST:PORT] [--repeat 1]
+
+Quix Streams lives only in its own virtual environment, never in the project's:
+
+    python3 -m venv /tmp/quixvenv && /tmp/quixvenv/bin/pip install quixstreams msgspec
+
+What is measured, on one topic produced here first (3 partitions, key = node, gzip like the
+collector, record timestamp = event time): `--rows` usage rows in `UsageSample` events (every
+container samples every process on every device once a second) plus a heartbeat per node every
+30 s restating its containers.
+
+* ours: the aggregator's consumption path as in `collector/aggregate/service.py`, without the
+  outputs: aiokafka consumer in a group (read_committed, batches of up to 5000), msgspec decode,
+  one `Aggregator` per partition, `add` per event and `advance` after every batch.
+* quix: a Quix Streams application (run as a subprocess of `--quix-python`) on the same topic:
+  the same msgspec decode of the same event schema, a stateful step per node that integrates
+  every row key exactly like ours (previous total x time to this sample, capped at max_gap)
+  with its state in Quix's state store, then `tumbling_window(60 s).sum().final()` per node.
+
+Both clocks run from the first record handed to the job to the last one processed (start-up
+and the group join are not counted). Rates are usage samples (rows of UsageSample events) per
+second; heartbeat rows are processed by both but not counted. Goal: ours >= 3 x quix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from collector.aggregate.service import InputStats, add_record  # noqa: E402
+from collector.aggregate.windows import Aggregator, WindowSettings  # noqa: E402
+from collector.events import (  # noqa: E402
+    SCHEMA_VERSION,
+    ContainerAppeared,
+    ContainerState,
+    DeviceLimit,
+    Event,
+    Heartbeat,
+    UsageRow,
+    UsageSample,
+    encode,
+)
+
+GOAL_RATIO = 3.0
+MIB = 1 << 20
+MINUTE_MS = 60_000
+SETTINGS = WindowSettings()  # 60 s windows, 10 s lateness, 90 s max gap
+
+
+@dataclass(frozen=True)
+class Shape:
+    nodes: int = 4
+    containers: int = 25  # per node
+    procs: int = 4
+    devices: int = 2
+
+    @property
+    def rows_per_second(self) -> int:
+        return self.nodes * self.containers * self.procs * self.devices
+
+
+def build(shape: Shape, rows: int, t0: int) -> tuple[list[tuple[str, Event]], int, int]:
+    """(node, event) in event-time order; returns them, the usage rows and heartbeat rows."""
+    seconds = -(-rows // shape.rows_per_second)
+    out: list[tuple[str, Event]] = []
+    seqs = [0] * shape.nodes
+    usage_rows = heartbeat_rows = 0
+
+    def stamp(n: int) -> tuple[int, int, int]:
+        seqs[n] += 1
+        return SCHEMA_VERSION, 7000 + n, seqs[n] - 1
+
+    limits = [DeviceLimit(d, f"GPU-{d:04d}-bench", 16 * 1024 * MIB, 50) for d in range(2)]
+    devices = limits[: shape.devices]
+
+    def rows_of(n: int, c: int, s: int) -> list[UsageRow]:
+        return [
+            UsageRow(p, 20_000 + p, d, (256 + (s + p + c + n) % 7) * MIB, MIB, 0, 0, MIB, s % 100)
+            for p in range(shape.procs)
+            for d in range(shape.devices)
+        ]
+
+    for n in range(shape.nodes):
+        for c in range(shape.containers):
+            pod = f"pod-{n:02d}-{c:03d}"
+            e = ContainerAppeared(*stamp(n), t0, c, pod, "main", f"/c/{pod}", "v1.2", devices)
+            out.append((f"node-{n}", e))
+    for s in range(seconds):
+        ts = t0 + s * 1000
+        for n in range(shape.nodes):
+            for c in range(shape.containers):
+                batch = rows_of(n, c, s)
+                out.append((f"node-{n}", UsageSample(*stamp(n), ts, c, batch)))
+                usage_rows += len(batch)
+            if s % 30 == 0:
+                states = [
+                    ContainerState(c, f"pod-{n:02d}-{c:03d}", "main", "v1.2", devices, rows)
+                    for c in range(shape.containers)
+                    for rows in [rows_of(n, c, s)]
+                ]
+                out.append((f"node-{n}", Heartbeat(*stamp(n), ts, 30_000, 0, 1, states)))
+                heartbeat_rows += sum(len(st.rows) for st in states)
+    return out, usage_rows, heartbeat_rows
+
+
+def bootstrap_address() -> str:
+    """Start the test broker of scripts/kafka.sh if needed; its address."""
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "kafka.sh"), "start"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return proc.stdout.strip()
+
+
+async def produce(bootstrap: str, topic: str, events: list[tuple[str, Event]]) -> None:
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 3, 1)])
+    finally:
+        await admin.close()
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        enable_idempotence=True,
+        linger_ms=50,
+        compression_type="gzip",
+        max_batch_size=256 * 1024,
+    )
+    await producer.start()
+    try:
+        futures = [
+            await producer.send(topic, encode(e), key=node.encode(), timestamp_ms=e.ts)
+            for node, e in events
+        ]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+@dataclass
+class Result:
+    messages: int
+    rows: int
+    seconds: float
+    records: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.rows / self.seconds
+
+
+async def ours(bootstrap: str, topic: str, messages: int, usage_rows: int) -> Result:
+    """The service's consumption path (collector/aggregate/service.py) without outputs."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=f"bench-ours-{uuid.uuid4().hex[:8]}",
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        auto_offset_reset="earliest",
+    )
+    consumer.subscribe([topic])
+    await consumer.start()
+    aggs: dict[int, Aggregator] = {}
+    stats = InputStats()
+    seen = records = 0
+    started: float | None = None
+    try:
+        while seen < messages:
+            batch = await consumer.getmany(timeout_ms=500, max_records=5000)
+            if batch and started is None:
+                started = time.perf_counter()
+            for tp, msgs in batch.items():
+                agg = aggs.get(tp.partition)
+                if agg is None:
+                    agg = aggs[tp.partition] = Aggregator(SETTINGS)
+                for m in msgs:
+                    add_record(
+                        agg,
+                        stats,
+                        m.key,
+                        m.value,
+                        source=tp.partition,
+                        offset=m.offset,
+                        record_ts_ms=m.timestamp,
+                    )
+                seen += len(msgs)
+            for agg in aggs.values():
+                records += len(agg.advance())
+        elapsed = time.perf_counter() - (started or 0.0)
+    finally:
+        await consumer.stop()
+    assert not (stats.undecodable or stats.unknown_schema), stats
+    return Result(seen, usage_rows, elapsed, records)
+
+
+# The Quix Streams job. argv: repo, bootstrap, topic, messages, state dir.
+QUIX_APP = r'''
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from collector.events import Heartbeat, UsageSample, decode
+from quixstreams import Application
+
+bootstrap, topic_name, messages, state_dir = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+MAX_GAP_MS = 90_000
+app = Application(
+    broker_address=bootstrap,
+    consumer_group="bench-quix-" + str(time.time_ns()),
+    auto_offset_reset="earliest",
+    state_dir=state_dir,
+    loglevel="WARNING",
+)
+topic = app.topic(topic_name, key_deserializer="str", value_deserializer="bytes")
+progress = {"seen": 0, "rows": 0, "first": None, "last": None, "windows": 0, "total": 0}
+
+
+def integrate(value, state):
+    """Like the Aggregator: each row key's previous total holds until this sample (capped at
+    max_gap); returns the byte-milliseconds this message closes, per node (message key)."""
+    if progress["first"] is None:
+        progress["first"] = time.perf_counter()
+    event = decode(value)
+    progress["seen"] += 1
+    if isinstance(event, UsageSample):
+        groups = [(event.cid, event.rows)]
+        progress["rows"] += len(event.rows)
+    elif isinstance(event, Heartbeat):
+        groups = [(c.cid, c.rows) for c in event.containers]
+    else:
+        groups = []
+    ts = event.ts
+    integral = 0
+    for cid, rows in groups:
+        k = f"{event.inc}:{cid}"
+        last = state.get(k, {})
+        for r in rows:
+            rk = f"{r.pid}:{r.hostpid}:{r.device}"
+            prev = last.get(rk)
+            if prev is not None and ts > prev[0]:
+                integral += prev[1] * min(ts - prev[0], MAX_GAP_MS)
+            last[rk] = [ts, r.total]
+        state.set(k, last)
+    progress["total"] += integral
+    if progress["seen"] >= messages:
+        progress["last"] = time.perf_counter()
+        app.stop()
+    return integral
+
+
+def closed(window):
+    progress["windows"] += 1
+    return window
+
+
+sdf = app.dataframe(topic)
+sdf = sdf.apply(integrate, stateful=True)
+sdf = sdf.tumbling_window(duration_ms=60_000).sum().final()
+sdf = sdf.apply(closed)
+app.run()
+print(json.dumps({
+    "messages": progress["seen"], "rows": progress["rows"],
+    "seconds": progress["last"] - progress["first"], "windows": progress["windows"],
+    "byte_ms": progress["total"],
+}))
+'''
+
+
+def quix(python: str, bootstrap: str, topic: str, messages: int) -> tuple[Result, dict[str, int]]:
+    with tempfile.TemporaryDirectory(prefix="bench-quix-") as state:
+        proc = subprocess.run(
+            [python, "-c", QUIX_APP, str(REPO), bootstrap, topic, str(messages), state],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_e2e: the Quix Streams job failed:\n{proc.stderr[-4000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Result(out["messages"], out["rows"], out["seconds"], out["windows"]), out
+
+
+def quix_version(python: str) -> str:
+    proc = subprocess.run(
+        [python, "-c", "import quixstreams; print(quixstreams.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rows", type=int, default=200_000, help="usage rows to produce")
+    ap.add_argument("--bootstrap", help="broker (default: scripts/kafka.sh start)")
+    ap.add_argument("--quix-python", help="python of a venv with quixstreams and msgspec")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each side; the best counts")
+    args = ap.parse_args(argv)
+
+    bootstrap = args.bootstrap or bootstrap_address()
+    shape = Shape()
+    seconds = -(-args.rows // shape.rows_per_second)
+    start = int(time.time() * 1000) - (seconds + 120) * 1000  # past, within retention
+    t0 = start - start % MINUTE_MS
+    events, usage_rows, heartbeat_rows = build(shape, args.rows, t0)
+    topic = f"bench-e2e-{uuid.uuid4().hex[:10]}"
+    began = time.perf_counter()
+    asyncio.run(produce(bootstrap, topic, events))
+    produce_s = time.perf_counter() - began
+    samples = sum(isinstance(e, UsageSample) for _, e in events)
+    beats = sum(isinstance(e, Heartbeat) for _, e in events)
+    print(
+        f"bench_e2e: broker {bootstrap}, topic {topic} (3 partitions, gzip), "
+        f"{shape.nodes} nodes x {shape.containers} containers x {shape.procs} procs x "
+        f"{shape.devices} devices, {seconds} s of event time"
+    )
+    print(
+        f"  produced {len(events):,} messages in {produce_s:.1f} s: {samples:,} UsageSample "
+        f"({usage_rows:,} rows), {beats} heartbeats ({heartbeat_rows:,} rows), "
+        f"{len(events) - samples - beats} ContainerAppeared"
+    )
+
+    gc.collect()
+    best: Result | None = None
+    for i in range(args.repeat):
+        r = asyncio.run(ours(bootstrap, topic, len(events), usage_rows))
+        print(
+            f"  ours  run {i + 1}: {r.messages:,} messages, {r.records:,} records closed, "
+            f"{r.seconds:.3f} s, {r.rate:,.0f} samples/s"
+        )
+        best = r if best is None or r.rate > best.rate else best
+    assert best is not None
+    print(f"  ours (aiokafka + msgspec + Aggregator.add/advance): {best.rate:>12,.0f} samples/s")
+
+    if not args.quix_python:
+        print(
+            "  quix: skipped (no --quix-python; create the venv with: python3 -m venv "
+            "/tmp/quixvenv && /tmp/quixvenv/bin/pip install quixstreams msgspec)"
+        )
+        return 0
+    version = quix_version(args.quix_python)
+    qbest: Result | None = None
+    for i in range(args.repeat):
+        q, raw = quix(args.quix_python, bootstrap, topic, len(events))
+        assert q.messages == len(events) and q.rows == usage_rows, raw
+        print(
+            f"  quix  run {i + 1}: {q.messages:,} messages, {q.records:,} windows closed, "
+            f"{q.seconds:.3f} s, {q.rate:,.0f} samples/s"
+        )
+        qbest = q if qbest is None or q.rate > qbest.rate else qbest
+    assert qbest is not None
+    print(
+        f"  quix (Quix Streams {version}, stateful apply + tumbling_window sum): "
+        f"{qbest.rate:>12,.0f} samples/s"
+    )
+    ratio = best.rate / qbest.rate
+    verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
+    print(f"  ratio ours/quix: {ratio:.2f}x (goal >= {GOAL_RATIO:.0f}x: {verdict})")
+    print(f"  python {sys.version.split()[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

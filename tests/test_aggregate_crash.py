@@ -1,0 +1,224 @@
+"""Exactly once across crashes: `hami-usage aggregate --kafka` SIGKILLed at random points.
+
+The test produces a 20-minute stream (3 nodes, a process exit, a collector restart, a container
+gone) to a fresh 3-partition topic progressively, over about as long as the kills take, while
+a live service (no --drain) consumes it. The service is SIGKILLed at seeded random moments -
+mid-batch, mid-transaction, between the file write and the commit, whatever the moment holds -
+and started again with the same group and `--instance` (the same transactional id, so the
+restarted producer fences and aborts its predecessor's open transaction). A final `--drain`
+pass closes the last windows. Its billing topic (read_committed) and CSV must hold exactly the
+records of one uninterrupted `--drain` run over the same topic: the same record ids, the same
+values, each once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from streams import (
+    HAMI_USAGE,
+    T0_MS,
+    WINDOW,
+    WINDOW_FLAGS,
+    Msg,
+    Producer,
+    Spec,
+    Stream,
+    create_topic,
+    csv_lines,
+    env,
+    final_report,
+    hami,
+    read_billing,
+    read_csv,
+    recent_t0,
+    reference,
+    sort_key,
+)
+
+from collector.aggregate.records import BillingRecord
+from collector.aggregate.windows import Aggregator
+
+SPEC = Spec(seconds=1200, exit_at=400, restart_at=650, gone_at=900)
+NODES = ("node-a", "node-b", "node-c")
+KILLS = 6
+SEED = 20261129
+PRODUCE_S = 50.0  # wall time over which the stream is produced (restarts take ~10 s each)
+
+
+class Service:
+    """A live `hami-usage aggregate` process; stderr goes to a file (a pipe nobody reads
+    would block it)."""
+
+    def __init__(self, args: list[str], err: Path) -> None:
+        self.err = err
+        with err.open("wb") as f:
+            self.proc = subprocess.Popen(
+                [str(HAMI_USAGE), *args], stdout=subprocess.DEVNULL, stderr=f, env=env()
+            )
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def wait_assigned(self, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "Setting newly assigned partitions" not in self.stderr():
+            assert self.proc.poll() is None, self.stderr()[-3000:]
+            assert time.monotonic() < deadline, "no partition assignment: " + self.stderr()[-3000:]
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+
+def produce_progressively(bootstrap: str, topic: str, seconds: list[list[Msg]]) -> threading.Thread:
+    """Send the stream second by second of event time, spread over PRODUCE_S of wall time."""
+    failure: list[BaseException] = []
+
+    async def run() -> None:
+        async with Producer(bootstrap, topic) as p:
+            started = time.monotonic()
+            per_s = PRODUCE_S / len(seconds)
+            chunk = 5
+            for i in range(0, len(seconds), chunk):
+                await p.send(m for batch in seconds[i : i + chunk] for m in batch)
+                ahead = started + (i + chunk) * per_s - time.monotonic()
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+
+    def target() -> None:
+        try:
+            asyncio.run(run())
+        except BaseException as exc:
+            failure.append(exc)
+            raise
+
+    t = threading.Thread(target=target, daemon=True)
+    t.failure = failure  # type: ignore[attr-defined]
+    t.start()
+    return t
+
+
+@pytest.mark.kafka
+def test_sigkill_anywhere_gives_the_uninterrupted_records(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    began = time.monotonic()
+    t0 = recent_t0(SPEC.seconds)
+    seconds = list(Stream(tmp_path / "nodes", t0, SPEC, NODES).seconds())
+    msgs = [m for batch in seconds for m in batch]
+    asyncio.run(create_topic(kafka_bootstrap, kafka_topic, 3))
+
+    def args(name: str, instance: str, *extra: str) -> list[str]:
+        return [
+            "aggregate", "--kafka", kafka_bootstrap, "--topic", kafka_topic,
+            "--billing-topic", f"{kafka_topic}.{name}.billing", "--group", f"{kafka_topic}.{name}",
+            "--instance", instance, *WINDOW_FLAGS, "--csv", str(tmp_path / f"{name}.csv"), *extra,
+        ]  # fmt: skip
+
+    instance = uuid.uuid4().hex[:8]
+    crashed = args("crashed", instance)
+    rng = random.Random(SEED)
+    producer = produce_progressively(kafka_bootstrap, kafka_topic, seconds)
+    svc = Service(crashed, tmp_path / "svc-0.err")
+    kills: list[tuple[float, int]] = []  # (seconds after the assignment, CSV bytes) at a kill
+    try:
+        for k in range(KILLS):
+            svc.wait_assigned()
+            delay = rng.uniform(0.2, 3.0)
+            time.sleep(delay)
+            assert svc.proc.poll() is None, svc.stderr()[-3000:]
+            svc.kill()
+            csv = tmp_path / "crashed.csv"
+            kills.append((round(delay, 2), csv.stat().st_size if csv.exists() else -1))
+            svc = Service(crashed, tmp_path / f"svc-{k + 1}.err")
+        producer.join(120)
+        assert not producer.is_alive() and not producer.failure  # type: ignore[attr-defined]
+        # The last live instance runs until it has seen everything, and is killed too.
+        svc.wait_assigned()
+        time.sleep(rng.uniform(0.5, 2.0))
+    finally:
+        if svc.proc.poll() is None:
+            svc.kill()
+
+    # One final --drain pass of the same group and instance closes the open windows.
+    final = hami(*crashed, "--drain")
+    assert final.returncode == 0, final.stderr[-3000:]
+    # The reference: one uninterrupted run over the same topic.
+    ref = hami(*args("reference", uuid.uuid4().hex[:8], "--drain"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert final_report(ref.stderr)[1]["events"] == len(msgs)
+
+    expected = asyncio.run(read_billing(kafka_bootstrap, f"{kafka_topic}.reference.billing"))
+    got = asyncio.run(read_billing(kafka_bootstrap, f"{kafka_topic}.crashed.billing"))
+    expected.sort(key=sort_key)
+    assert len({r.record_id for r in expected}) == len(expected)
+    # The in-process Aggregator agrees with the reference run (whatever the partitioning).
+    assert expected == reference(msgs)
+    assert len(expected) > 3 * 2 * 3 * 20 * 0.8
+    ids = [r.record_id for r in got]
+    assert len(ids) == len(set(ids)), "a record was published twice"
+    assert {r.record_id for r in got} == {r.record_id for r in expected}, "records missing"
+    assert sorted(got, key=sort_key) == expected  # and with the same values
+
+    # The CSV: the same lines, each once, one header.
+    lines = read_csv(tmp_path / "crashed.csv")
+    assert len(lines) == len(set(lines)), "a CSV line was written twice"
+    assert sorted(lines) == sorted(read_csv(tmp_path / "reference.csv"))
+    assert sorted(lines) == sorted(csv_lines(expected))
+
+    # The kills fell while the service was working: some with records already written.
+    assert len(kills) == KILLS
+    assert sum(1 for _, size in kills if size > 300) >= 3, kills
+    elapsed = time.monotonic() - began
+    print(f"kills (s after assignment, CSV bytes): {kills}; {elapsed:.1f} s in all")
+
+
+def test_restart_from_checkpoints_in_process(tmp_path: Path) -> None:
+    """The service's protocol without processes, at many more crash points: commit (records
+    out, checkpoint = needed offset + emitted end) at random moments, crash at others (records
+    since the last commit are lost), restart a new Aggregator from the checkpoint."""
+    msgs = Stream(tmp_path / "nodes", T0_MS, SPEC, NODES).messages()
+    expected = reference(msgs)  # one source holding all three nodes
+    rng = random.Random(SEED)
+    commits = set(rng.sample(range(len(msgs)), 60))
+    crashes = set(rng.sample(range(len(msgs)), 40))
+    published: list[BillingRecord] = []
+    tentative: list[BillingRecord] = []
+    checkpoint = (0, 0)  # (offset to restart from, emitted_until_ms)
+    agg = Aggregator(WINDOW)
+    i = restarts = 0
+    while i < len(msgs):
+        m = msgs[i]
+        assert m.event is not None
+        agg.add(m.node, m.event, source=0, offset=i, record_ts_ms=m.ts)
+        if i % 97 == 96:  # a consumer batch
+            tentative += agg.advance()
+        if i in commits:
+            tentative += agg.advance()
+            published += tentative
+            tentative = []
+            checkpoint = (agg.needed_offsets().get(0, i + 1), agg.emitted_until_ms)
+        if i in crashes:
+            crashes.discard(i)
+            tentative = []
+            agg = Aggregator(WINDOW, emitted_until_ms=checkpoint[1])
+            i = checkpoint[0]
+            restarts += 1
+            continue
+        i += 1
+    published += tentative + agg.flush()
+    assert restarts == 40
+    ids = [r.record_id for r in published]
+    assert len(ids) == len(set(ids)), "a window was published twice"
+    published.sort(key=sort_key)
+    assert published == expected

@@ -1,0 +1,267 @@
+"""`hami-usage aggregate` end to end, as a subprocess: the local log and the real broker.
+
+The input is a deterministic stream (`streams.py`: 2 nodes x 3 containers x 2 processes x 2
+devices, a sample every second for 5 minutes, heartbeats every 10 s, one process exit, one
+container gone). The service's records must be the ones an `Aggregator` fed the same events in
+this process gives, and a few are also worked out by hand from the stream's formulas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import msgspec
+import pytest
+from streams import (
+    SM_LIMIT,
+    T0_MS,
+    WINDOW_FLAGS,
+    Msg,
+    Spec,
+    build,
+    committed_metadata,
+    create_topic,
+    csv_lines,
+    final_report,
+    hami,
+    limit_bytes,
+    monitor_bytes,
+    produce,
+    read_billing,
+    read_csv,
+    recent_t0,
+    reference,
+    sm_percent,
+    sort_key,
+    total_bytes,
+    totals,
+    with_bad_input,
+    write_local_log,
+)
+
+from collector.aggregate.records import BillingRecord, make_record_id
+from collector.aggregate.service import Checkpoint
+
+SPEC = Spec()
+NODES = ("node-a", "node-b")
+
+
+def window_of(
+    records: list[BillingRecord], t0: int, k: int, node: str, c: int, d: int
+) -> BillingRecord:
+    n = NODES.index(node)
+    (hit,) = [
+        r
+        for r in records
+        if r.window_start_ms == t0 + k * 60_000
+        and r.node == node
+        and r.container == f"ctr{c}"
+        and r.device_uuid.startswith(f"GPU-{n:04d}{d:04d}")
+    ]
+    return hit
+
+
+def by_hand(
+    t0: int, k: int, n: int, c: int, d: int, seconds: range, procs: dict[int, range]
+) -> dict[str, object]:
+    """Window k of container c on device d of node n, from the formulas: every value holds
+    exactly one second (the next sample comes a second later); `procs` says which seconds each
+    process was live; the container is present during `seconds`."""
+    mem = sum(total_bytes(n, c, p, d, s) for p, live in procs.items() for s in live)
+    nvml = sum(monitor_bytes(n, c, p, d, s) for p, live in procs.items() for s in live)
+    sm = sum(sm_percent(n, c, p, d, s) for p, live in procs.items() for s in live)
+    peak = max(
+        sum(total_bytes(n, c, p, d, s) for p, live in procs.items() if s in live) for s in seconds
+    )
+    return {
+        "window_start_ms": t0 + k * 60_000,
+        "memory_byte_seconds": float(mem),
+        "nvml_memory_byte_seconds": float(nvml),
+        "sm_percent_seconds": float(sm),
+        "memory_limit_byte_seconds": float(limit_bytes(c, d) * len(seconds)),
+        "sm_limit_percent_seconds": float(SM_LIMIT * len(seconds)),
+        "peak_memory_bytes": peak,
+        "observed_seconds": float(len(seconds)),
+    }
+
+
+def check_by_hand(records: list[BillingRecord], t0: int) -> None:
+    def fields(r: BillingRecord, want: dict[str, object]) -> dict[str, object]:
+        return {k: getattr(r, k) for k in want}
+
+    # A quiet minute: node-a, container 0, device 0, window 1 = seconds [60, 120).
+    live = range(60, 120)
+    r = window_of(records, t0, 1, "node-a", 0, 0)
+    want = by_hand(t0, 1, 0, 0, 0, live, {0: live, 1: live})
+    assert fields(r, want) == want
+    # 60 samples of 2 rows, and 6 heartbeats (s = 60, 70, ..., 110) restating both rows.
+    assert r.samples == 2 * 60 + 6 * 2
+    assert r.record_id == make_record_id(r.window_start_ms, "node-a", r.pod_uid, "ctr0",
+                                         r.device_uuid)  # fmt: skip
+
+    # The process exit: node-b, container 1, device 1, window 1; process 1 exits at s = 100.
+    r = window_of(records, t0, 1, "node-b", 1, 1)
+    want = by_hand(t0, 1, 1, 1, 1, live, {0: live, 1: range(60, 100)})
+    assert fields(r, want) == want
+    assert r.samples == 60 + 40 + 4 * 2 + 2 * 1
+
+    # Container gone at s = 200: node-a, container 2, device 1, window 3 = [180, 240).
+    r = window_of(records, t0, 3, "node-a", 2, 1)
+    gone = range(180, 200)
+    want = by_hand(t0, 3, 0, 2, 1, gone, {0: gone, 1: gone})
+    assert fields(r, want) == want
+    assert not [x for x in records if x.container == "ctr2" and x.window_start_ms >= t0 + 240_000]
+
+    # The end of the stream: the samples of s = 299 hold for max_gap (30 s), so window 5 bills
+    # [300, 329) of them and nothing after; no samples lie in it.
+    r = window_of(records, t0, 5, "node-b", 0, 0)
+    held = 29
+    assert r.memory_byte_seconds == float(sum(total_bytes(1, 0, p, 0, 299) for p in (0, 1)) * held)
+    assert r.observed_seconds == float(held)
+    assert r.memory_limit_byte_seconds == float(limit_bytes(0, 0) * held)
+    assert r.samples == 0
+    assert max(x.window_end_ms for x in records) == t0 + 360_000
+
+
+# --- local log ---------------------------------------------------------------------------
+
+
+def local_run(tmp_path: Path, msgs: list[Msg]) -> tuple[Path, Path, Path, list[str]]:
+    log = tmp_path / "log"
+    write_local_log(log, msgs)
+    csv, jsonl = tmp_path / "out.csv", tmp_path / "out.jsonl"
+    cmd = ["aggregate", "--log", log, *WINDOW_FLAGS, "--csv", csv, "--jsonl", jsonl, "--drain"]
+    return log, csv, jsonl, [str(x) for x in cmd]
+
+
+def test_local_log_service(tmp_path: Path) -> None:
+    msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
+    log, csv, jsonl, cmd = local_run(tmp_path, msgs)
+    expected = reference(msgs)
+    assert len(expected) == 2 * (12 + 12 + 8)
+    # When windows are closed does not matter (the service advances after every batch).
+    assert reference(msgs, advance_every=1) == reference(msgs, advance_every=250) == expected
+
+    proc = hami(*cmd)
+    assert proc.returncode == 0, proc.stderr
+    written, counters = final_report(proc.stderr)
+    assert written == len(expected)
+    assert counters["events"] == len(msgs)
+    assert counters["records"] == len(expected)
+    for bad in ("duplicates", "late_events", "future_events", "undecodable", "unknown_schema"):
+        assert counters.get(bad, 0) == 0, counters
+
+    # One aggregator, records sorted within each batch and batches in window order: the CSV
+    # is exactly the reference, line for line.
+    lines = read_csv(csv)
+    assert lines == csv_lines(expected)
+    got = [msgspec.json.decode(x, type=BillingRecord) for x in jsonl.read_bytes().splitlines()]
+    assert got == expected
+    assert totals(got) == totals(expected)
+    check_by_hand(got, T0_MS)
+
+    # Again on the same log and group: the checkpoint holds, nothing new, files untouched.
+    before = (csv.read_bytes(), jsonl.read_bytes())
+    proc = hami(*cmd)
+    assert proc.returncode == 0, proc.stderr
+    assert final_report(proc.stderr)[0] == 0
+    assert (csv.read_bytes(), jsonl.read_bytes()) == before
+
+
+def test_local_log_bad_input(tmp_path: Path) -> None:
+    good = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
+    msgs = with_bad_input(good)
+    assert len(msgs) == len(good) + 3
+    _, csv, _, cmd = local_run(tmp_path, msgs)
+    proc = hami(*cmd)
+    assert proc.returncode == 0, proc.stderr
+    last = [ln for ln in proc.stderr.splitlines() if "aggregate: " in ln][-1]
+    assert "undecodable=1 unknown_schema=1" in last and "future_events=1" in last, last
+    written, counters = final_report(proc.stderr)
+    expected = reference(good)
+    assert written == len(expected)
+    assert read_csv(csv) == csv_lines(expected)
+    # The future event reached the aggregator (and was dropped there); the other two did not.
+    assert counters["events"] == len(good) + 1
+
+
+# --- Kafka -------------------------------------------------------------------------------
+
+
+async def kafka_run(
+    bootstrap: str, topic: str, tmp_path: Path, msgs: list[Msg]
+) -> tuple[dict[str, int], list[str], Path, str]:
+    await create_topic(bootstrap, topic, 3)
+    partition_of = await produce(bootstrap, topic, msgs)
+    group = f"{topic}.g"
+    csv = tmp_path / "out.csv"
+    cmd = [
+        "aggregate", "--kafka", bootstrap, "--topic", topic, "--billing-topic",
+        f"{topic}.billing", "--group", group, "--instance", uuid.uuid4().hex[:8],
+        *WINDOW_FLAGS, "--csv", str(csv), "--drain",
+    ]  # fmt: skip
+    return partition_of, cmd, csv, group
+
+
+@pytest.mark.kafka
+def test_kafka_service(kafka_bootstrap: str, kafka_topic: str, tmp_path: Path) -> None:
+    t0 = recent_t0(SPEC.seconds)
+    msgs = build(tmp_path / "nodes", t0, SPEC, NODES)
+    partition_of, cmd, csv, group = asyncio.run(
+        kafka_run(kafka_bootstrap, kafka_topic, tmp_path, msgs)
+    )
+    expected = reference(msgs, source_of=partition_of)
+    assert expected == reference(msgs)  # the split into partitions changes nothing here
+
+    proc = hami(*cmd)
+    assert proc.returncode == 0, proc.stderr
+    written, counters = final_report(proc.stderr)
+    assert written == len(expected)
+    assert counters["events"] == len(msgs), "every message reached an aggregator, once"
+
+    billing = asyncio.run(read_billing(kafka_bootstrap, f"{kafka_topic}.billing"))
+    assert sorted(billing, key=sort_key) == expected
+    assert len({r.record_id for r in billing}) == len(billing)
+    check_by_hand(billing, t0)
+    assert sorted(read_csv(csv)) == sorted(csv_lines(expected))
+
+    # The offsets of the group were committed with the records, each with a Checkpoint.
+    meta = asyncio.run(committed_metadata(kafka_bootstrap, group))
+    assert set(meta) == {0, 1, 2}
+    counts = {p: sum(1 for m in msgs if partition_of[m.node] == p) for p in range(3)}
+    for p, (offset, text) in meta.items():
+        cp = msgspec.json.decode(text, type=Checkpoint)
+        assert cp.csv_bytes == csv.stat().st_size
+        assert cp.jsonl_bytes == 0
+        assert 0 <= offset <= counts[p]
+        ends = [r.window_end_ms for r in expected if partition_of[r.node] == p]
+        if ends:
+            assert cp.emitted_until_ms == max(ends)
+        else:
+            assert (offset, cp.emitted_until_ms) == (0, 0)
+
+    # Again: the checkpoint holds, no new billing records, the CSV is unchanged.
+    before = csv.read_bytes()
+    proc = hami(*cmd)
+    assert proc.returncode == 0, proc.stderr
+    assert final_report(proc.stderr)[0] == 0
+    assert csv.read_bytes() == before
+    assert len(asyncio.run(read_billing(kafka_bootstrap, f"{kafka_topic}.billing"))) == len(billing)
+
+
+@pytest.mark.kafka
+def test_kafka_bad_input(kafka_bootstrap: str, kafka_topic: str, tmp_path: Path) -> None:
+    t0 = recent_t0(SPEC.seconds)
+    good = build(tmp_path / "nodes", t0, SPEC, NODES)
+    msgs = with_bad_input(good)
+    partition_of, cmd, csv, _ = asyncio.run(kafka_run(kafka_bootstrap, kafka_topic, tmp_path, msgs))
+    proc = hami(*cmd)
+    assert proc.returncode == 0, proc.stderr
+    last = [ln for ln in proc.stderr.splitlines() if "aggregate: " in ln][-1]
+    assert "undecodable=1 unknown_schema=1" in last and "future_events=1" in last, last
+    expected = reference(good, source_of=partition_of)
+    billing = asyncio.run(read_billing(kafka_bootstrap, f"{kafka_topic}.billing"))
+    assert sorted(billing, key=sort_key) == expected
+    assert sorted(read_csv(csv)) == sorted(csv_lines(expected))
