@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from ..events import UnknownSchemaVersion, decode
 from .records import BillingRecord
@@ -280,9 +281,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             # resume points).
             if not assigned:
                 return
-            committed = await admin.list_consumer_group_offsets(
-                settings.group, partitions=list(assigned)
-            )
+            committed = await committed_offsets(admin, settings.group, list(assigned))
             begins = await consumer.beginning_offsets(list(assigned))
             for tp in assigned:
                 om = committed.get(tp)
@@ -366,6 +365,29 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         await producer.stop()
         await admin.close()
     return outputs if outputs is not None else Outputs()
+
+
+class CheckpointUnavailable(Exception):
+    """The group coordinator would not say where this group stands."""
+
+
+async def committed_offsets(admin: Any, group: str, tps: list[Any]) -> dict[Any, Any]:
+    """Committed offsets and metadata of `tps`; a partition never committed has offset -1.
+
+    Right after a broker restart the coordinator answers with no partitions at all while it
+    loads its offsets (aiokafka returns {} then). Starting from the beginning at that moment
+    would bill everything again, so this waits for a complete answer, and gives up loudly."""
+    async for attempt in AsyncRetrying(
+        stop=stop_after_delay(60),
+        wait=wait_exponential(multiplier=0.1, max=2),
+        retry=retry_if_exception_type(CheckpointUnavailable),
+        reraise=True,
+    ):
+        with attempt:
+            found = await admin.list_consumer_group_offsets(group, partitions=tps)
+            if any(tp not in found for tp in tps):
+                raise CheckpointUnavailable(f"no committed offsets for group {group} yet")
+    return dict(found)
 
 
 async def _caught_up(consumer: Any, ends: dict[Any, int]) -> bool:
