@@ -258,6 +258,9 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         isolation_level="read_committed",
         auto_offset_reset="earliest",
         client_id=f"hami-usage-aggregator-{settings.instance}",
+        # Static membership: a restarted replica gets its partitions back at once instead of
+        # waiting for its dead predecessor's session to time out.
+        group_instance_id=f"{settings.group}-{settings.instance}",
     )
     producer = AIOKafkaProducer(
         bootstrap_servers=settings.kafka,
