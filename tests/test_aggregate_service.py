@@ -265,3 +265,35 @@ def test_kafka_bad_input(kafka_bootstrap: str, kafka_topic: str, tmp_path: Path)
     billing = asyncio.run(read_billing(kafka_bootstrap, f"{kafka_topic}.billing"))
     assert sorted(billing, key=sort_key) == expected
     assert sorted(read_csv(csv)) == sorted(csv_lines(expected))
+
+
+# --- OTLP through the service ------------------------------------------------------------
+
+
+def test_local_log_service_pushes_otlp(tmp_path: Path) -> None:
+    """`aggregate --otlp` against a real OTLP/HTTP receiver: the cumulative counters of the
+    last push equal the sums of the billing records, per container and device."""
+    from otlp_receiver import OtlpReceiver
+
+    msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
+    _, csv, _, cmd = local_run(tmp_path, msgs)
+    expected = reference(msgs)
+    with OtlpReceiver() as receiver:
+        proc = hami(*cmd, "--otlp", receiver.endpoint)
+        assert proc.returncode == 0, proc.stderr
+        last = receiver.received[-1].metrics()
+    usage = last["hami.gpu.memory.usage"]
+    assert usage.unit == "By.s" and usage.is_monotonic
+    want: dict[tuple[str, str, str], float] = {}
+    for r in expected:
+        key = (r.pod_uid, r.container, r.device_uuid)
+        want[key] = want.get(key, 0.0) + r.memory_byte_seconds
+    got = {
+        (a["k8s.pod.uid"], a["k8s.container.name"], a["hw.gpu.uuid"]): v
+        for attrs, v in usage.points.items()
+        for a in [dict(attrs)]
+    }
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-12), key
+    assert read_csv(csv) == csv_lines(expected)
