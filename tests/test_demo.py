@@ -8,12 +8,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from collector.cli import build_parser
-from collector.demo import DemoSettings, format_report, run_demo
+from collector.demo import DemoResult, DemoSettings, format_report, run_demo
 
 
 def test_demo_bills_what_the_simulator_wrote(tmp_path: Path) -> None:
-    result = asyncio.run(run_demo(DemoSettings(duration_s=6, out=tmp_path)))
+    check_against_truth(asyncio.run(run_demo(DemoSettings(duration_s=6, out=tmp_path))), tmp_path)
+
+
+@pytest.mark.kafka
+def test_demo_through_kafka_bills_what_the_simulator_wrote(
+    tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    settings = DemoSettings(duration_s=6, out=tmp_path, kafka=kafka_bootstrap)
+    check_against_truth(asyncio.run(run_demo(settings)), tmp_path)
+
+
+def check_against_truth(result: DemoResult, out: Path) -> None:
     billed: dict[tuple[str, str, str], float] = {}
     for row in result.rows:
         key = (row["pod_uid"], row["container"], row["device_uuid"])
@@ -30,7 +43,7 @@ def test_demo_bills_what_the_simulator_wrote(tmp_path: Path) -> None:
     assert {"mislabelled_layout", "proc_num_out_of_range", "invalid_uuid"} <= kinds
     report = format_report(result)
     assert "hostile" in report and "GiB·h" in report and "mislabelled_layout" in report
-    assert (tmp_path / "billing.csv").read_text().startswith("window_start,window_end,node,")
+    assert (out / "billing.csv").read_text().startswith("window_start,window_end,node,")
 
 
 def test_demo_command_prints_a_bill(tmp_path: Path) -> None:
