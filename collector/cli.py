@@ -204,7 +204,7 @@ def _cmd_aggregate(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from .aggregate.service import AggregateSettings, aggregate, report
+    from .aggregate.service import AggregateSettings, aggregate
 
     cfg = _settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
     if cfg.window * 1000 % 1:
@@ -225,8 +225,7 @@ def _cmd_aggregate(args: argparse.Namespace) -> int:
     if not cfg.kafka and not Path(cfg.log).is_dir():
         raise UsageError(f"hami-usage aggregate: --log {cfg.log}: not a directory")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    outputs = asyncio.run(aggregate(settings))
-    del report, outputs
+    asyncio.run(aggregate(settings))
     return 0
 
 

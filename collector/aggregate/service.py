@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -31,6 +31,9 @@ from ..events import UnknownSchemaVersion, decode
 from .records import BillingRecord
 from .sinks import CsvSink, JsonlSink
 from .windows import Aggregator, WindowSettings
+
+if TYPE_CHECKING:
+    from .otlp import OtlpExporter
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class Outputs:
 
     csv: CsvSink | None = None
     jsonl: JsonlSink | None = None
-    otlp: object | None = None  # OtlpExporter; typed loosely to keep OTLP an optional import
+    otlp: OtlpExporter | None = None  # imported only when used: opentelemetry is slow to load
     written: int = 0
 
     @classmethod
@@ -101,9 +104,6 @@ class Outputs:
         Blocking HTTP with a timeout: callers run it in a worker thread."""
         if self.otlp is None:
             return
-        from .otlp import OtlpExporter
-
-        assert isinstance(self.otlp, OtlpExporter)
         if records:
             self.otlp.record_window(records)
         self.otlp.set_gauges([g for agg in aggregators for g in agg.gauges()])
@@ -121,9 +121,6 @@ class Outputs:
             if sink is not None:
                 sink.close()
         if self.otlp is not None:
-            from .otlp import OtlpExporter
-
-            assert isinstance(self.otlp, OtlpExporter)
             self.otlp.shutdown()
 
 
