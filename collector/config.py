@@ -47,11 +47,12 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
 
 
-class AggregateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    kafka: str | None = None
+class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What reading and windowing the usage events takes: replay's settings, and the
+    aggregator's (which adds its outputs and group below)."""
+
+    kafka: str | None = None  # bootstrap servers; none: the local log `log`
     topic: str = "hami.usage.v1"
-    billing_topic: str = "hami.billing.v1"
-    group: str = "hami-usage-aggregator"
     log: str = "/var/lib/hami-usage/events"
     window: Positive = 60.0
     lateness: Annotated[float, Meta(ge=0)] = 10.0
@@ -59,21 +60,14 @@ class AggregateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_skew: Positive = 300.0
     csv: str | None = None
     jsonl: str | None = None
+
+
+class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    billing_topic: str = "hami.billing.v1"
+    group: str = "hami-usage-aggregator"
     otlp: str | None = None  # e.g. http://otel-collector:4318/v1/metrics
     drain: bool = False
     instance: str = "0"  # transactional.id suffix: unique per replica (e.g. the pod name)
-
-
-class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    kafka: str | None = None
-    topic: str = "hami.usage.v1"
-    log: str = "/var/lib/hami-usage/events"
-    window: Positive = 60.0
-    lateness: Annotated[float, Meta(ge=0)] = 10.0
-    max_gap: Positive = 90.0
-    max_skew: Positive = 300.0
-    csv: str | None = None
-    jsonl: str | None = None
 
 
 C = TypeVar("C", bound=msgspec.Struct)

@@ -2,7 +2,8 @@
 reference (per-key step functions with the max_gap cap, no windows).
 
 Default settings throughout: 60 s windows, 10 s lateness, 90 s max gap. Device 0 of container
-"pod-a/main" has limit 1000 bytes and SM limit 50 %, so limit integrals are easy to check.
+"pod-a/main" has limit 1000 bytes and SM limit 50 %, so limit integrals are easy to check. Node
+rows (NodeDeviceSample) are the records with an empty pod_uid.
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector.aggregate.records import BillingRecord
+from collector.aggregate.records import BillingRecord, make_record_id
 from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.events import (
     ContainerAppeared,
     ContainerGone,
     ContainerState,
     DeviceLimit,
+    DeviceUsageRow,
     Event,
     Heartbeat,
     LayoutAnomaly,
     LimitsChanged,
+    NodeDeviceSample,
     ProcessExited,
     ProcessStarted,
     UsageRow,
@@ -41,6 +44,10 @@ def dev(index: int = 0, limit: int = 1000, sm: int = 50) -> DeviceLimit:
 
 def row(pid: int, total: int, device: int = 0, monitor: int = 0, sm: int = 0) -> UsageRow:
     return UsageRow(pid, pid + 1000, device, total, 0, 0, total, monitor, sm)
+
+
+def nrow(uuid: str = "GPU-0", unaccounted: int = 0, used: int = 0, util: int = 0) -> DeviceUsageRow:
+    return DeviceUsageRow(uuid, used, util, unaccounted)
 
 
 class Collector:
@@ -90,6 +97,9 @@ class Collector:
     def anomaly(self, ts: int) -> LayoutAnomaly:
         return LayoutAnomaly(1, self.inc, self._n(), ts, -1, "/c/x", "unreadable", "")
 
+    def node(self, ts: int, *rows: DeviceUsageRow) -> NodeDeviceSample:
+        return NodeDeviceSample(1, self.inc, self._n(), ts, list(rows))
+
 
 def state(
     cid: int,
@@ -128,6 +138,12 @@ def one(records: list[BillingRecord], window_start_ms: int, device: str = "GPU-0
 
 def windows(records: list[BillingRecord]) -> list[int]:
     return [r.window_start_ms for r in records]
+
+
+def node_one(
+    records: list[BillingRecord], window_start_ms: int, device: str = "GPU-0"
+) -> BillingRecord:
+    return one([r for r in records if r.pod_uid == ""], window_start_ms, device)
 
 
 # --- exact values ------------------------------------------------------------------------
@@ -644,6 +660,235 @@ def test_settings_are_validated() -> None:
         WindowSettings(max_gap_ms=0)
 
 
+# --- node rows (NodeDeviceSample) ----------------------------------------------------------
+
+
+def test_node_sample_constant_over_a_whole_window() -> None:
+    c = Collector()
+    n = nrow(unaccounted=100, used=500, util=40)
+    events = [c.node(0, n), c.node(30_000, n), c.node(60_000, n), c.node(90_000, n)]
+    records, agg = run(events, flush=False)
+    assert windows(records) == [0]  # watermark 80 s
+    r = records[0]
+    assert (r.window_start_ms, r.window_end_ms) == (0, 60_000)
+    assert (r.node, r.pod_uid, r.container, r.device_uuid) == ("n1", "", "", "GPU-0")
+    assert r.memory_byte_seconds == 100 * 60  # unaccounted bytes
+    assert r.nvml_memory_byte_seconds == 500 * 60  # the whole device
+    assert r.sm_percent_seconds == 40 * 60
+    assert r.memory_limit_byte_seconds == 0.0
+    assert r.sm_limit_percent_seconds == 0.0
+    assert r.peak_memory_bytes == 100
+    assert r.observed_seconds == 60.0
+    assert r.samples == 2  # rows at 0 s and 30 s
+    assert r.record_id == make_record_id(0, "n1", "", "", "GPU-0", 0)
+    assert r.revision == 0
+    assert agg.stats.unattributed_rows == 0
+    assert agg.gauges() == []  # node rows have no gauges
+
+
+def test_node_sample_step_inside_a_window() -> None:
+    c = Collector()
+    events = [
+        c.node(0, nrow(unaccounted=100, used=1000, util=10), nrow("GPU-1", used=7)),
+        c.node(20_000, nrow(unaccounted=300, used=1200, util=50)),
+        c.node(25_000, nrow(unaccounted=999, used=1)),  # replaced at once: in effect for 0 s
+        c.node(25_000, nrow(unaccounted=200, used=1200, util=50)),
+        c.node(70_000, nrow(unaccounted=200, used=1200, util=50), nrow("GPU-1", used=7)),
+    ]
+    records, _ = run(events, flush=False)
+    assert [(r.window_start_ms, r.device_uuid) for r in records] == [(0, "GPU-0"), (0, "GPU-1")]
+    g0 = node_one(records, 0)
+    assert g0.memory_byte_seconds == 100 * 20 + 300 * 5 + 200 * 35
+    assert g0.nvml_memory_byte_seconds == 1000 * 20 + 1200 * 40
+    assert g0.sm_percent_seconds == 10 * 20 + 50 * 40
+    assert g0.peak_memory_bytes == 300  # not 999
+    assert g0.observed_seconds == 60.0
+    assert g0.samples == 4
+    g1 = node_one(records, 0, "GPU-1")
+    assert (g1.memory_byte_seconds, g1.nvml_memory_byte_seconds) == (0.0, 7 * 60)
+    assert (g1.peak_memory_bytes, g1.observed_seconds, g1.samples) == (0, 60.0, 1)
+
+
+def test_node_gap_beyond_max_gap_is_unobserved_per_device() -> None:
+    c = Collector()
+    events = [
+        c.node(0, nrow(unaccounted=100, used=400), nrow("GPU-1", unaccounted=10)),
+        c.node(60_000, nrow("GPU-1", unaccounted=10)),  # GPU-0 not read this interval
+        c.node(120_000, nrow(unaccounted=100, used=400), nrow("GPU-1", unaccounted=10)),
+    ]
+    records, agg = run(events)
+    got = [
+        (r.window_start_ms, r.device_uuid, r.memory_byte_seconds, r.observed_seconds, r.samples)
+        for r in records
+    ]
+    assert got == [
+        (0, "GPU-0", 6000.0, 60.0, 1),
+        (0, "GPU-1", 600.0, 60.0, 1),
+        (60_000, "GPU-0", 3000.0, 30.0, 0),  # held until 90 s, the cap
+        (60_000, "GPU-1", 600.0, 60.0, 1),
+        (120_000, "GPU-0", 6000.0, 60.0, 1),
+        (120_000, "GPU-1", 600.0, 60.0, 1),
+        (180_000, "GPU-0", 3000.0, 30.0, 0),  # 120 s + 90 s cap (flush)
+        (180_000, "GPU-1", 300.0, 30.0, 0),
+    ]
+    assert node_one(records, 60_000).nvml_memory_byte_seconds == 400 * 30
+    assert agg.stats.unobserved_ms == 30_000  # GPU-0, 90 s -> 120 s
+
+
+def test_newer_incarnation_ends_the_older_nodes_keys() -> None:
+    old, new = Collector(inc=111), Collector(inc=5)
+    events = [
+        old.node(0, nrow(unaccounted=100, used=1000)),
+        new.node(20_000, nrow(unaccounted=40, used=900)),  # collector restarted
+        old.node(30_000, nrow(unaccounted=999, used=999)),  # the old one after the cut: not billed
+    ]
+    records, agg = run(events)
+    assert windows(records) == [0, 60_000]
+    w0 = records[0]
+    assert w0.memory_byte_seconds == 100 * 20 + 40 * 40
+    assert w0.nvml_memory_byte_seconds == 1000 * 20 + 900 * 40
+    assert w0.observed_seconds == 60.0
+    assert w0.peak_memory_bytes == 100
+    assert w0.samples == 2
+    w1 = records[1]
+    assert w1.memory_byte_seconds == 40 * 50  # new one capped at 110 s
+    assert w1.observed_seconds == 50.0
+    assert agg.stats.unattributed_rows == 1
+
+
+def test_node_out_of_order_within_lateness_gives_the_same_records() -> None:
+    c = Collector()
+    events: list[Event] = [
+        c.appeared(0),
+        c.node(1_000, nrow(unaccounted=100, used=500, util=5)),
+        c.sample(2_000, row(1, 70)),
+        c.node(5_000, nrow("GPU-1", unaccounted=8)),
+        c.node(58_000, nrow(unaccounted=300, used=600, util=9)),
+        c.node(61_000, nrow(unaccounted=10, used=700)),
+        c.node(66_000, nrow(unaccounted=20, used=700), nrow("GPU-1", unaccounted=9)),
+        c.node(90_000, nrow(unaccounted=20, used=700)),
+        c.gone(130_000),  # the container's end, not the node's
+    ]
+    in_order, a = run(events)
+    # each event at most 8 s behind the newest one delivered before it
+    shuffled = [events[i] for i in (0, 3, 1, 2, 5, 6, 4, 7, 8)]
+    reordered, b = run(shuffled)
+    assert reordered == in_order
+    assert a.stats.late_events == b.stats.late_events == 0
+    w0 = node_one(in_order, 0)
+    assert w0.memory_byte_seconds == 100 * 57 + 300 * 2
+    assert w0.nvml_memory_byte_seconds == 500 * 57 + 600 * 2
+    assert w0.sm_percent_seconds == 5 * 57 + 9 * 2
+    assert w0.observed_seconds == 59.0
+    assert node_one(in_order, 0, "GPU-1").memory_byte_seconds == 8 * 55
+    assert node_one(in_order, 120_000).memory_byte_seconds == 20 * 60  # held to 180 s
+    assert one([r for r in in_order if r.pod_uid], 0).memory_byte_seconds == 70 * 58
+
+
+def test_late_node_sample_is_counted_and_takes_effect_from_the_closed_end() -> None:
+    c = Collector()
+    late = c.node(50_000, nrow("GPU-1", unaccounted=200))
+    events = [
+        c.node(0, nrow(unaccounted=100)),
+        c.node(30_000, nrow(unaccounted=100)),
+        c.node(75_000, nrow(unaccounted=100)),  # watermark 65 s: [0, 60) closes
+        late,
+        c.node(100_000, nrow(unaccounted=100)),
+        c.node(130_000, nrow(unaccounted=100)),  # watermark 120 s: [60, 120) closes
+    ]
+    records, agg = run(events, flush=False)
+    assert [(r.window_start_ms, r.device_uuid) for r in records] == [
+        (0, "GPU-0"),
+        (60_000, "GPU-0"),
+        (60_000, "GPU-1"),
+    ]
+    w1 = node_one(records, 60_000, "GPU-1")
+    assert w1.memory_byte_seconds == 200 * 60  # from 60 s on (cap at 140 s)
+    assert w1.observed_seconds == 60.0
+    assert w1.samples == 0  # the late row is not counted again
+    assert agg.stats.late_events == 1
+    assert agg.stats.late_ms_dropped == 10_000  # 50 s -> 60 s
+
+
+def test_node_duplicates_are_dropped_and_counted() -> None:
+    c = Collector()
+    events = [
+        c.node(0, nrow(unaccounted=100)),
+        c.node(20_000, nrow(unaccounted=300)),
+        c.node(50_000, nrow(unaccounted=5)),
+    ]
+    clean, _ = run(events)
+    dup, agg = run([events[0], events[0], events[1], events[0], events[2], events[1], events[2]])
+    assert dup == clean
+    assert agg.stats.duplicates == 4
+    w0 = node_one(clean, 0)
+    assert w0.memory_byte_seconds == 100 * 20 + 300 * 30 + 5 * 10
+    assert w0.samples == 3
+
+
+def test_node_rows_coexist_with_container_records() -> None:
+    c = Collector()
+    events: list[Event] = [
+        c.appeared(0),
+        c.sample(0, row(1, 100, monitor=120, sm=30)),
+        c.node(0, nrow(unaccounted=50, used=400, util=60)),
+        c.sample(20_000, row(1, 300, monitor=320, sm=30)),
+        c.node(30_000, nrow(unaccounted=50, used=600, util=60)),
+        c.gone(50_000),  # ends the container, not the node's keys
+        c.node(55_000, nrow()),
+    ]
+    records, _ = run(events)
+    alone, _ = run([e for e in events if not isinstance(e, NodeDeviceSample)])
+    assert [r for r in records if r.pod_uid] == alone  # container records unchanged
+    assert one(alone, 0).memory_byte_seconds == 100 * 20 + 300 * 30
+    assert [(r.window_start_ms, r.pod_uid) for r in records] == [
+        (0, ""),  # the node's row sorts first
+        (0, "pod-a"),
+        (60_000, ""),
+        (120_000, ""),
+    ]
+    n0 = node_one(records, 0)
+    assert n0.memory_byte_seconds == 50 * 55
+    assert n0.nvml_memory_byte_seconds == 400 * 30 + 600 * 25
+    assert n0.sm_percent_seconds == 60 * 55
+    assert (n0.peak_memory_bytes, n0.observed_seconds, n0.samples) == (50, 60.0, 3)
+    n1 = node_one(records, 60_000)  # zeros, but observed: a record
+    assert (n1.memory_byte_seconds, n1.nvml_memory_byte_seconds, n1.observed_seconds) == (
+        0.0,
+        0.0,
+        60.0,
+    )
+    assert node_one(records, 120_000).observed_seconds == 25.0  # 55 s + 90 s cap
+
+
+def test_node_needed_offsets_exact_and_restart() -> None:
+    c = Collector()
+    stream: list[Event] = [
+        c.node(1_000, nrow(unaccounted=1), nrow("GPU-1", unaccounted=2)),  # 0
+        c.node(31_000, nrow(unaccounted=1)),  # 1
+        c.node(61_000, nrow(unaccounted=1)),  # 2
+        c.node(75_000, nrow(unaccounted=3)),  # 3
+        c.node(125_000, nrow(unaccounted=1)),  # 4
+        c.node(131_000, nrow(unaccounted=1)),  # 5
+    ]
+    full, _ = run(stream)
+    agg = Aggregator(S)
+    for off in range(4):
+        agg.add("n1", stream[off], offset=off)
+    first = agg.advance()  # watermark 65 s
+    assert [(r.window_start_ms, r.device_uuid) for r in first] == [(0, "GPU-0"), (0, "GPU-1")]
+    assert agg.needed_offsets() == {0: 0}  # GPU-1 (sampled at offset 0) is live until 91 s
+    agg.add("n1", stream[4], offset=4)
+    agg.add("n1", stream[5], offset=5)
+    assert windows(agg.advance()) == [60_000, 60_000]  # watermark 121 s
+    assert node_one(full, 60_000, "GPU-1").memory_byte_seconds == 2 * 31
+    assert agg.needed_offsets() == {0: 3}  # GPU-0's 75 s sample; GPU-1 expired at 91 s
+    second = Aggregator(S, emitted_until_ms=120_000)
+    out, _ = run(stream[3:], agg=second)
+    assert out == [r for r in full if r.window_end_ms > 120_000]
+    assert node_one(out, 120_000).memory_byte_seconds == 3 * 5 + 1 * 55
+
+
 # --- properties --------------------------------------------------------------------------
 
 GAP = S.max_gap_ms
@@ -652,8 +897,9 @@ GAP = S.max_gap_ms
 @st.composite
 def scenarios(draw: st.DrawFn) -> list[Event]:
     """In-order events of one node: 1-3 containers, 1-2 devices, pids 1-3, samples, exits,
-    heartbeats (restating a random subset), limit changes, gone, and collector restarts (a new
-    incarnation re-announces every container); steps sometimes beyond max_gap."""
+    heartbeats (restating a random subset), limit changes, gone, node samples (a random subset
+    of GPU-0 and GPU-1), and collector restarts (a new incarnation re-announces every container);
+    steps sometimes beyond max_gap."""
     c = Collector(inc=1)
     ncont = draw(st.integers(1, 3))
     ndev = {cid: draw(st.integers(1, 2)) for cid in range(1, ncont + 1)}
@@ -686,8 +932,21 @@ def scenarios(draw: st.DrawFn) -> list[Event]:
             for p, d in keys
         ]
 
+    def node_rows() -> list[DeviceUsageRow]:
+        uuids = draw(st.lists(st.sampled_from(["GPU-0", "GPU-1"]), min_size=1, unique=True))
+        return [
+            nrow(
+                u,
+                draw(st.integers(0, 10**6)),
+                draw(st.integers(0, 10**6)),
+                draw(st.integers(0, 100)),
+            )
+            for u in uuids
+        ]
+
     events = appear_all()
     kinds = ["sample"] * 6 + ["exit", "exit", "hb", "hb", "gone", "limits", "restart"]
+    kinds += ["node"] * 3
     for _ in range(draw(st.integers(1, 30))):
         ts += draw(st.one_of(st.integers(0, 25_000), st.integers(80_000, 200_000)))
         cid = draw(st.integers(1, ncont))
@@ -700,6 +959,8 @@ def scenarios(draw: st.DrawFn) -> list[Event]:
             events.append(c.gone(ts, cid=cid))
         elif kind == "limits":
             events.append(c.limits(ts, devices(cid), cid=cid))
+        elif kind == "node":
+            events.append(c.node(ts, *node_rows()))
         elif kind == "restart":
             ts += 1  # the new incarnation starts strictly after the old one's last event
             c = Collector(inc=c.inc + 1)
@@ -714,20 +975,29 @@ def scenarios(draw: st.DrawFn) -> list[Event]:
     return events
 
 
-def reference_byte_ms(events: list[Event]) -> int:
-    """Σ total dt over every key: a step function per key, capped at max_gap, no windows.
-    Rows count only while their container is named (appeared/heartbeat, until gone, until
-    2 x max_gap without any event, or until a newer incarnation's first event)."""
+NODE = -1  # the reference's cid for node keys; the device is the uuid's number
+
+
+def reference_integrals(events: list[Event]) -> tuple[int, int, int]:
+    """(Σ total dt, Σ monitor dt, Σ node key live time) in milli-units over every key: a step
+    function per key, capped at max_gap, no windows. Container rows count only while their
+    container is named (appeared/heartbeat, until gone, until 2 x max_gap without any event, or
+    until a newer incarnation's first event). A node sample's row is the key (inc, NODE, 0, 0,
+    device) with total = unaccounted bytes and monitor = NVML memory used; only a newer
+    incarnation ends it."""
     Key = tuple[int, int, int, int, int]  # (inc, cid, pid, hostpid, device)
-    live: dict[Key, tuple[int, int]] = {}  # key -> (total, sample ts)
+    live: dict[Key, tuple[int, int, int]] = {}  # key -> (total, monitor, sample ts)
     named: dict[tuple[int, int], int] = {}  # (inc, cid) -> ts of its last event, while named
     incs: set[int] = set()
-    acc = 0
+    acc = [0, 0, 0]
 
     def end(key: Key, t: int) -> None:
-        nonlocal acc
-        total, s = live.pop(key)
-        acc += total * (min(t, s + GAP) - s)
+        total, monitor, s = live.pop(key)
+        dt = min(t, s + GAP) - s
+        acc[0] += total * dt
+        acc[1] += monitor * dt
+        if key[1] == NODE:
+            acc[2] += dt
 
     def end_all(t: int, keys: list[Key]) -> None:
         for key in keys:
@@ -740,14 +1010,15 @@ def reference_byte_ms(events: list[Event]) -> int:
         if names or c in named:
             named[c] = t
 
-    def put(inc: int, cid: int, rows: list[UsageRow], t: int) -> None:
-        if (inc, cid) not in named:
-            return
-        for r in rows:
-            key = (inc, cid, r.pid, r.hostpid, r.device)
-            if key in live:
-                end(key, t)
-            live[key] = (r.total, t)
+    def put(key: Key, total: int, monitor: int, t: int) -> None:
+        if key in live:
+            end(key, t)
+        live[key] = (total, monitor, t)
+
+    def put_rows(inc: int, cid: int, rows: list[UsageRow], t: int) -> None:
+        if (inc, cid) in named:
+            for r in rows:
+                put((inc, cid, r.pid, r.hostpid, r.device), r.total, r.monitor, t)
 
     for e in events:
         inc, t = e.inc, e.ts
@@ -759,7 +1030,7 @@ def reference_byte_ms(events: list[Event]) -> int:
             touch(inc, e.cid, t, names=True)
         elif isinstance(e, UsageSample):
             touch(inc, e.cid, t)
-            put(inc, e.cid, e.rows, t)
+            put_rows(inc, e.cid, e.rows, t)
         elif isinstance(e, ProcessExited):
             touch(inc, e.cid, t)
             proc = (inc, e.cid, e.pid, e.hostpid)
@@ -776,9 +1047,13 @@ def reference_byte_ms(events: list[Event]) -> int:
                 ctr = (inc, s.cid)
                 stated = {(*ctr, r.pid, r.hostpid, r.device) for r in s.rows}
                 end_all(t, [k for k in live if k[:2] == ctr and k not in stated])
-                put(inc, s.cid, s.rows, t)
+                put_rows(inc, s.cid, s.rows, t)
+        elif isinstance(e, NodeDeviceSample):
+            for n in e.rows:
+                device = int(n.uuid.removeprefix("GPU-"))
+                put((inc, NODE, 0, 0, device), n.unaccounted_bytes, n.memory_used, t)
     end_all(1 << 62, list(live))
-    return acc
+    return acc[0], acc[1], acc[2]
 
 
 def feed_all(events: Sequence[Event], advance_at: set[int] | None = None) -> list[BillingRecord]:
@@ -795,10 +1070,11 @@ def feed_all(events: Sequence[Event], advance_at: set[int] | None = None) -> lis
 
 
 def split_samples(events: list[Event], rng: random.Random) -> list[Event]:
-    """Split some multi-row samples into two events at the same ts; renumber seqs."""
+    """Split some multi-row (usage or node) samples into two events at the same ts; renumber
+    seqs."""
     out: list[Event] = []
     for e in events:
-        if isinstance(e, UsageSample) and len(e.rows) > 1 and rng.random() < 0.5:
+        if isinstance(e, UsageSample | NodeDeviceSample) and len(e.rows) > 1 and rng.random() < 0.5:
             k = rng.randrange(1, len(e.rows))
             out += [
                 msgspec.structs.replace(e, rows=e.rows[:k]),
@@ -839,9 +1115,13 @@ def test_reordering_splitting_and_duplicates_never_change_the_records(
 
 @PROPERTY
 @given(scenarios())
-def test_total_memory_matches_the_reference_integral(events: list[Event]) -> None:
+def test_totals_match_the_reference_integrals(events: list[Event]) -> None:
     records = feed_all(events)
-    assert sum(round(r.memory_byte_seconds * 1000) for r in records) == reference_byte_ms(events)
+    memory, nvml, node_observed = reference_integrals(events)
+    assert sum(round(r.memory_byte_seconds * 1000) for r in records) == memory
+    assert sum(round(r.nvml_memory_byte_seconds * 1000) for r in records) == nvml
+    node = [r for r in records if r.pod_uid == ""]
+    assert sum(round(r.observed_seconds * 1000) for r in node) == node_observed
 
 
 @PROPERTY

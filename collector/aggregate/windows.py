@@ -31,6 +31,19 @@ Model
   says goodbye. Without a rule its values would be billed for another `max_gap_ms` next to the new
   incarnation's restated ones. So the first event of a newer incarnation (one whose first event
   time is later) ends every container of the older ones of that node at that time.
+* **Node rows**: each `DeviceUsageRow` of a `NodeDeviceSample` (the node collector's NVML view)
+  is an absolute sample of the node-level key (node, inc, device uuid), held like a usage key:
+  until the next sample of the key or `max_gap_ms` after its own ts. It is ended by a newer
+  incarnation like a container, never by `ContainerGone`. The machinery is the container one:
+  the node of an incarnation is a pseudo-container that every node sample names (no
+  `ContainerAppeared`), with one key per device uuid and no presence or limits; after a newer
+  incarnation ended it, its later rows count as unattributed. It is billed as the row
+  (node, pod_uid "", container "", device_uuid): `memory_byte_seconds` = ∫ `unaccounted_bytes` dt
+  (NVML memory of processes no cache file accounts for), `nvml_memory_byte_seconds` = ∫
+  `memory_used` dt (the whole device), `sm_percent_seconds` = ∫ `utilization` dt (device-wide),
+  both limit integrals 0, `peak_memory_bytes` = the largest `unaccounted_bytes` in effect for a
+  positive time, `observed_seconds` = the time the key was live, `samples` = its rows in the
+  window. The empty pod_uid sorts a node's rows before its containers'. Node rows have no gauges.
 
 Integration is exact integer arithmetic in byte-milliseconds and percent-milliseconds, split at
 window edges; records divide by 1000 only when they are built. `peak_memory_bytes` is the largest
@@ -70,8 +83,7 @@ incarnation is forgotten once a newer one exists, it has no containers left, and
 is more than max_gap + lateness + one window behind the closed end; a redelivery after that is
 no longer recognised (it is then late, or an event of a container that is not named).
 
-Events without a container (layout anomalies, node device inventory and samples) count for the
-watermark and de-duplication only.
+Layout anomalies and device inventories count for the watermark and de-duplication only.
 
 Future events: with `record_ts_ms` (the transport's record time) given, an event whose ts is more
 than `max_skew_ms` after it is dropped and counted in `stats.future_events`. It is a comparison of
@@ -105,6 +117,7 @@ from ..events import (
     Event,
     Heartbeat,
     LimitsChanged,
+    NodeDeviceSample,
     ProcessExited,
     ProcessStarted,
     UsageRow,
@@ -126,6 +139,9 @@ DEDUP_WINDOW: Final = 10_000
 # without waiting for its next heartbeat.
 _RETAIN_GAPS: Final = 2
 _NEVER: Final = 1 << 62
+# The cid of a node's pseudo-container (its NodeDeviceSample rows): outside the range of any
+# integer a decoded event can carry (msgpack: [-2**63, 2**64)), so no container can be it.
+_NODE_CID: Final = -(1 << 64)
 
 
 class WindowSettings(msgspec.Struct, frozen=True):
@@ -172,6 +188,7 @@ _Payload: TypeAlias = (
     | ProcessStarted
     | ProcessExited
     | LimitsChanged
+    | NodeDeviceSample
     | _Supersede
 )
 # (effective ts, event ts, seq, arrival, payload, offset). The effective ts differs from the event
@@ -214,6 +231,7 @@ class _Device:
     window being accumulated has of it (integrals in milli-units)."""
 
     __slots__ = (
+        "cov",
         "limit",
         "lim",
         "mem",
@@ -245,17 +263,20 @@ class _Device:
         self.smlim = 0
         self.peak = 0
         self.samples = 0
+        self.cov = 0  # time with a live key (the observed time of a node row)
 
     def has_window(self) -> bool:
         return bool(self.mem or self.nvml or self.smp or self.lim or self.smlim or self.samples)
 
     def reset_window(self) -> None:
         self.mem = self.nvml = self.smp = self.lim = self.smlim = self.peak = self.samples = 0
+        self.cov = 0
 
 
 class _Track:
     """Everything about one container (node, inc, cid): the state at the last closed end (the
-    anchor), events not yet integrated, and the window being accumulated."""
+    anchor), events not yet integrated, and the window being accumulated. The node's own rows
+    are the pseudo-container (node, inc, _NODE_CID), whose device index stands for a UUID."""
 
     __slots__ = (
         "alive",
@@ -280,10 +301,11 @@ class _Track:
         "pod_uid",
         "pres_off",
         "source",
+        "uuids",
         "win",
     )
 
-    def __init__(self, node: str, inc: int, source: int, cur: int) -> None:
+    def __init__(self, node: str, inc: int, cid: int, source: int, cur: int) -> None:
         self.node = node
         self.inc = inc
         self.source = source
@@ -309,6 +331,8 @@ class _Track:
         self.cur = cur  # integrated up to here
         self.win: int | None = None  # start of the window being accumulated
         self.obs = 0  # presence in that window
+        # the node pseudo-container only (else None): device uuid -> its index in devs and keys
+        self.uuids: dict[str, int] | None = {} if cid == _NODE_CID else None
 
 
 class Aggregator:
@@ -401,7 +425,11 @@ class Aggregator:
         ):
             tr = self._track(node, inc, event.cid, source)
             tr.pending.append((eff, ts, seq, self._arrival, event, offset))
-        # LayoutAnomaly: counted above, nothing to integrate.
+        elif isinstance(event, NodeDeviceSample):
+            tr = self._track(node, inc, _NODE_CID, source)
+            tr.pending.append((eff, ts, seq, self._arrival, event, offset))
+            rows = len(event.rows)
+        # LayoutAnomaly, DeviceInventory: counted above, nothing to integrate.
         if eff != ts:
             assert closed is not None
             stats.late_events += 1
@@ -411,7 +439,7 @@ class Aggregator:
         tr = self._tracks.get((node, inc, cid))
         if tr is None:
             closed = self._closed
-            tr = _Track(node, inc, source, -_NEVER if closed is None else closed)
+            tr = _Track(node, inc, cid, source, -_NEVER if closed is None else closed)
             self._tracks[(node, inc, cid)] = tr
         return tr
 
@@ -486,6 +514,8 @@ class Aggregator:
                     self._state(tr, p, t, off)
                 elif isinstance(p, ContainerGone | _Supersede):
                     self._gone(tr, t)
+                elif isinstance(p, NodeDeviceSample):
+                    self._node_rows(tr, p, t, off, late=False)
                 else:
                     tr.alive = True
                     tr.last_ts = t
@@ -557,6 +587,7 @@ class Aggregator:
                     d.mem += total * dt
                     d.nvml += d.monitor * dt
                     d.smp += d.sm * dt
+                    d.cov += dt
                     if total > d.peak:
                         d.peak = total
             a = c
@@ -592,8 +623,11 @@ class Aggregator:
         tr.obs = 0
         pod_uid = tr.pod_uid
         wanted = pod_uid is not None and ws + self._w > self._suppress
+        per_device = tr.uuids is not None  # a node row is observed while its key is live
         out = self._out
         for d in tr.devs.values():
+            if per_device:
+                obs = d.cov
             if wanted and d.uuid is not None and (obs or d.has_window()):
                 assert pod_uid is not None
                 key = (ws, tr.node, pod_uid, tr.container, d.uuid)
@@ -716,6 +750,38 @@ class Aggregator:
                 v[4] = off
             d.samples += 1
 
+    def _node_rows(
+        self, tr: _Track, sample: NodeDeviceSample, t: int, off: int, *, late: bool
+    ) -> None:
+        """A node sample names the node's pseudo-container (pod_uid and container empty) and
+        states one key per device UUID, held as the process row (0, 0, index) of that device:
+        total = unaccounted bytes, monitor = NVML memory used, sm_util = device utilisation.
+        Once a newer incarnation ended it, nothing names it again."""
+        uuids = tr.uuids
+        assert uuids is not None
+        if tr.pod_uid is None:
+            if tr.gone_ts is not None:
+                self.stats.unattributed_rows += len(sample.rows)
+                return
+            tr.pod_uid = ""
+        if t > tr.last_ts:
+            tr.last_ts = t  # only for forgetting the track; a node has no presence (alive)
+        devs = tr.devs
+        rows = []
+        for r in sample.rows:
+            i = uuids.get(r.uuid)
+            if i is None:
+                i = uuids[r.uuid] = len(uuids)
+                devs[i] = _Device()
+            devs[i].uuid = r.uuid
+            rows.append(
+                UsageRow(0, 0, i, r.unaccounted_bytes, 0, 0, 0, r.memory_used, r.utilization)
+            )
+        if late:
+            self._late_rows(tr, rows, t, off)
+        else:
+            self._rows(tr, rows, t, off)
+
     def _state(self, tr: _Track, state: ContainerState, t: int, off: int) -> None:
         tr.alive = True
         tr.last_ts = t
@@ -824,6 +890,9 @@ class Aggregator:
             if tr.gone_ts is None or ts > tr.gone_ts:
                 tr.gone_ts = ts
             return
+        if isinstance(p, NodeDeviceSample):
+            self._node_rows(tr, p, ts, off, late=True)
+            return
         if ts > tr.last_ts and (tr.gone_ts is None or ts > tr.gone_ts):
             tr.alive = True
             tr.last_ts = ts
@@ -919,7 +988,9 @@ class Aggregator:
             for v in tr.keys.values():
                 if v[4] < m:
                     m = v[4]
-            if tr.pod_uid is not None:
+            if tr.uuids is not None:
+                pass  # the node: every sample names it, so its keys and pending events are all
+            elif tr.pod_uid is not None:
                 # the last event too: it decides when the name is forgotten
                 m = min(m, tr.ident_off, tr.limits_off, tr.pres_off)
             elif tr.alive and (closed is None or tr.last_ts + gap > closed) and tr.pres_off < m:
@@ -929,11 +1000,14 @@ class Aggregator:
         return {src: min(need.get(src, s[0]), s[0]) for src, s in sorted(self._src.items())}
 
     def gauges(self) -> list[Gauge]:
-        """Current values per billing row, as of the newest event time of its source (events
-        not yet integrated included; late ones judged by their own ts, roughly)."""
+        """Current values per container billing row, as of the newest event time of its source
+        (events not yet integrated included; late ones judged by their own ts, roughly). Node
+        rows have no gauges."""
         gap = self._gap
         rows: dict[tuple[str, str, str, str], list[int]] = {}
         for tr in self._tracks.values():
+            if tr.uuids is not None:
+                continue
             now = self._src[tr.source][1]
             ident = None if tr.pod_uid is None else (tr.pod_uid, tr.container)
             table = {i: (d.uuid, d.limit) for i, d in tr.devs.items() if d.uuid is not None}
