@@ -83,45 +83,49 @@ def _in_range(r: BillingRecord, rng: ReplayRange) -> bool:
     return rng.from_ms <= r.window_start_ms and r.window_end_ms <= rng.to_ms
 
 
-def replay_batches(
-    total: int,
-    batches: Iterator[list[Raw]],
-    window: WindowSettings,
-    rng: ReplayRange,
-    outputs: Outputs,
-) -> InputStats:
-    stats = InputStats()
-    aggs: dict[int, Aggregator] = {}
-    stop_ms = rng.to_ms + window.lateness_ms + window.max_gap_ms + SLACK_MS
-    progress = Progress(total)
-    kept: list[BillingRecord] = []
-    finished: set[int] = set()
-    for batch in batches:
+class Replay:
+    """One Aggregator per source fed batch by batch; keeps the windows inside the range."""
+
+    def __init__(self, total: int, window: WindowSettings, rng: ReplayRange) -> None:
+        self.window = window
+        self.rng = rng
+        self.stats = InputStats()
+        self.stop_ms = rng.to_ms + window.lateness_ms + window.max_gap_ms + SLACK_MS
+        self.progress = Progress(total)
+        self.finished: set[int] = set()  # sources read past the range
+        self._aggs: dict[int, Aggregator] = {}
+        self._kept: list[BillingRecord] = []
+
+    def feed(self, batch: list[Raw]) -> None:
         for raw in batch:
-            if raw.source in finished:
+            if raw.source in self.finished:
                 continue
-            if raw.timestamp_ms > stop_ms:
-                finished.add(raw.source)
+            if raw.timestamp_ms > self.stop_ms:
+                self.finished.add(raw.source)
                 continue
-            agg = aggs.setdefault(raw.source, Aggregator(window))
+            agg = self._aggs.setdefault(raw.source, Aggregator(self.window))
             add_record(
                 agg,
-                stats,
+                self.stats,
                 raw.key,
                 raw.value,
                 source=raw.source,
                 offset=raw.offset,
                 record_ts_ms=raw.timestamp_ms,
             )
-        for agg in aggs.values():
-            kept += [r for r in agg.advance() if _in_range(r, rng)]
-        progress.advance(len(batch))
-    for agg in aggs.values():
-        kept += [r for r in agg.flush() if _in_range(r, rng)]
-    progress.close()
-    kept.sort(key=lambda r: (r.window_start_ms, r.node, r.pod_uid, r.container, r.device_uuid))
-    outputs.write(kept)
-    return stats
+        for agg in self._aggs.values():
+            self._kept += [r for r in agg.advance() if _in_range(r, self.rng)]
+        self.progress.advance(len(batch))
+
+    def finish(self, outputs: Outputs) -> InputStats:
+        for agg in self._aggs.values():
+            self._kept += [r for r in agg.flush() if _in_range(r, self.rng)]
+        self.progress.close()
+        self._kept.sort(
+            key=lambda r: (r.window_start_ms, r.node, r.pod_uid, r.container, r.device_uuid)
+        )
+        outputs.write(self._kept)
+        return self.stats
 
 
 def replay_local(
@@ -129,9 +133,13 @@ def replay_local(
 ) -> tuple[int, InputStats]:
     start = rng.from_ms - window.max_gap_ms - window.lateness_ms - SLACK_MS
     total, batches = _local(log_dir, start)
+    replay = Replay(total, window, rng)
+    for batch in batches:
+        replay.feed(batch)
+    # A new file for the range: what was in it before is replaced.
     outputs = Outputs.open(csv, jsonl, None, Checkpoint())
     try:
-        stats = replay_batches(total, batches, window, rng, outputs)
+        stats = replay.finish(outputs)
     finally:
         outputs.close()
     return outputs.written, stats
@@ -148,7 +156,6 @@ async def replay_kafka(
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     start = rng.from_ms - window.max_gap_ms - window.lateness_ms - SLACK_MS
-    stop_ms = rng.to_ms + window.lateness_ms + window.max_gap_ms + SLACK_MS
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -157,11 +164,9 @@ async def replay_kafka(
     )
     await consumer.start()
     try:
-        parts = consumer.partitions_for_topic(topic) or set()
-        if not parts:
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - first lookup
-            parts = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        # aiokafka has no public call that loads one topic's partitions into the consumer.
+        await consumer._client.force_metadata_update()  # noqa: SLF001
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
         consumer.assign(tps)
         found = await consumer.offsets_for_times({tp: max(start, 0) for tp in tps})
         ends = await consumer.end_offsets(tps)
@@ -169,30 +174,25 @@ async def replay_kafka(
         firsts = {tp: (found[tp].offset if found.get(tp) else ends[tp]) for tp in tps}
         for tp in tps:
             consumer.seek(tp, max(firsts[tp], begins[tp]))
-        total = sum(ends[tp] - firsts[tp] for tp in tps)
-
-        async def fetch_all() -> list[list[Raw]]:
-            out: list[list[Raw]] = []
-            while True:
-                pending = [tp for tp in tps if await consumer.position(tp) < ends[tp]]
-                if not pending:
-                    return out
-                got = await consumer.getmany(*pending, timeout_ms=1000, max_records=5000)
-                batch: list[Raw] = []
-                for tp, msgs in got.items():
-                    for m in msgs:
-                        batch.append(Raw(tp.partition, m.offset, m.timestamp, m.key, m.value))
-                    if msgs and msgs[-1].timestamp > stop_ms:
-                        consumer.seek(tp, ends[tp])  # past the range: this partition is done
-                if batch:
-                    out.append(batch)
-
-        batches = await fetch_all()
+        replay = Replay(sum(ends[tp] - firsts[tp] for tp in tps), window, rng)
+        while pending := [
+            tp
+            for tp in tps
+            if tp.partition not in replay.finished and await consumer.position(tp) < ends[tp]
+        ]:
+            got = await consumer.getmany(*pending, timeout_ms=1000, max_records=5000)
+            replay.feed(
+                [
+                    Raw(tp.partition, m.offset, m.timestamp, m.key, m.value)
+                    for tp, msgs in got.items()
+                    for m in msgs
+                ]
+            )
     finally:
         await consumer.stop()
     outputs = Outputs.open(csv, jsonl, None, Checkpoint())
     try:
-        stats = replay_batches(total, iter(batches), window, rng, outputs)
+        stats = replay.finish(outputs)
     finally:
         outputs.close()
     return outputs.written, stats
