@@ -297,3 +297,20 @@ def test_local_log_service_pushes_otlp(tmp_path: Path) -> None:
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-12), key
     assert read_csv(csv) == csv_lines(expected)
+
+
+def test_first_start_keeps_what_the_file_held_and_commits_it(tmp_path: Path) -> None:
+    """A group's first run appends to an existing file and at once commits its length, so a
+    crash before the first window closes cuts back to exactly there on restart."""
+    from collector.transport.locallog import LocalLog, LogReader
+
+    log = tmp_path / "log"
+    LocalLog(log).close()
+    csv = tmp_path / "old.csv"
+    csv.write_text("kept from before\n")
+    proc = hami("aggregate", "--log", log, "--csv", csv, "--group", "g1", "--drain")
+    assert proc.returncode == 0, proc.stderr
+    assert csv.read_text() == "kept from before\n"
+    committed = LogReader(log).committed("g1")
+    assert committed is not None
+    assert msgspec.json.decode(committed[1], type=Checkpoint).csv_bytes == len("kept from before\n")

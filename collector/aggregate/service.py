@@ -196,6 +196,11 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     outputs = Outputs.open(
         settings.csv, settings.jsonl, settings.otlp, resume if committed else None
     )
+    if committed is None:
+        # First start of this group: commit where the files stand now, so a crash before the
+        # first window closes cuts back to here rather than appending twice.
+        meta = msgspec.json.encode(outputs.checkpoint(0)).decode()
+        reader.commit(settings.group, position, meta)
     last_commit = time.monotonic()
     try:
         while not stopping.is_set():
@@ -293,6 +298,26 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 positions[tp] = start
                 aggs[tp] = Aggregator(settings.window, emitted_until_ms=meta.emitted_until_ms)
 
+    async def publish(outputs: Outputs, records: list[BillingRecord]) -> None:
+        """Files first (cut back on restart), then records and offsets in one transaction."""
+        from .records import to_msgpack
+
+        outputs.write(records)
+        await producer.begin_transaction()
+        try:
+            for r in records:
+                await producer.send(settings.billing_topic, to_msgpack(r), key=r.node.encode())
+            offsets = {}
+            for tp, agg in aggs.items():
+                meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
+                needed = agg.needed_offsets().get(tp.partition, positions[tp])
+                offsets[tp] = OffsetAndMetadata(needed, meta)
+            await producer.send_offsets_to_transaction(offsets, settings.group)
+            await producer.commit_transaction()
+        except BaseException:
+            await producer.abort_transaction()
+            raise
+
     await admin.start()
     await producer.start()
     consumer.subscribe([settings.topic], listener=Rebalance())
@@ -310,6 +335,10 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             settings.otlp,
             max(resume_meta, key=lambda m: m.csv_bytes + m.jsonl_bytes, default=None),
         )
+        if not resume_meta:
+            # First start of this group: commit where the files stand now, so a crash before
+            # the first window closes cuts back to here rather than appending twice.
+            await publish(outputs, [])
         ends = await consumer.end_offsets(list(aggs)) if settings.drain else {}
         last_commit = time.monotonic()
         while not stopping.is_set():
@@ -334,25 +363,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 r for agg in aggs.values() for r in (agg.flush() if done else agg.advance())
             )
             if records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S:
-                outputs.write(records)
-                await producer.begin_transaction()
-                try:
-                    for r in records:
-                        from .records import to_msgpack
-
-                        await producer.send(
-                            settings.billing_topic, to_msgpack(r), key=r.node.encode()
-                        )
-                    offsets = {}
-                    for tp, agg in aggs.items():
-                        meta = outputs.checkpoint(agg.emitted_until_ms)
-                        needed = agg.needed_offsets().get(tp.partition, positions[tp])
-                        offsets[tp] = OffsetAndMetadata(needed, msgspec.json.encode(meta).decode())
-                    await producer.send_offsets_to_transaction(offsets, settings.group)
-                    await producer.commit_transaction()
-                except BaseException:
-                    await producer.abort_transaction()
-                    raise
+                await publish(outputs, records)
                 await asyncio.to_thread(outputs.export, records, list(aggs.values()))
                 last_commit = time.monotonic()
             if done:
