@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from .config import AggregateConfig, CollectConfig, ConfigError, ReplayConfig, l
 from .layout.declarations import LAYOUTS
 from .layout.reader import read_snapshot
 from .layout.snapshot import Snapshot
+from .transport.kafka import BrokerUnreachable
 from .transport.locallog import LogLockedError
 
 C = TypeVar("C", bound=msgspec.Struct)
@@ -110,15 +112,24 @@ def _settings(args: argparse.Namespace, cls: type[C], section: str, names: list[
         raise UsageError(f"hami-usage {section}: {exc}") from None
 
 
+def _logging(level: int) -> None:
+    """Timestamped log lines; aiokafka's connection errors while a broker is away are
+    repeated once per distinct message and period, not forty times a second."""
+    from .transport.kafka import QuietRetries
+
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(QuietRetries())
+
+
 def _cmd_collect(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
     import os
     import socket
 
     from .node.crosscheck import DriftTolerance
     from .node.service import CollectSettings, collect
-    from .transport.kafka import ProducerSettings, QuietRetries
+    from .transport.kafka import ProducerSettings
 
     cfg = _settings(args, CollectConfig, "collect", COLLECT_FLAGS)
     root = Path(cfg.root)
@@ -150,9 +161,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         drift=DriftTolerance(cfg.drift_tolerance_bytes, cfg.drift_tolerance_ratio),
         metrics_port=cfg.metrics_port,
     )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(QuietRetries())
+    _logging(logging.INFO)
     try:
         asyncio.run(collect(settings))
     except LogLockedError as exc:
@@ -202,7 +211,6 @@ def _window(cfg: AggregateConfig | ReplayConfig) -> WindowSettings:
 
 def _cmd_aggregate(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
 
     from .aggregate.service import AggregateSettings, aggregate
 
@@ -224,8 +232,12 @@ def _cmd_aggregate(args: argparse.Namespace) -> int:
     )
     if not cfg.kafka and not Path(cfg.log).is_dir():
         raise UsageError(f"hami-usage aggregate: --log {cfg.log}: not a directory")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(aggregate(settings))
+    _logging(logging.INFO)
+    try:
+        asyncio.run(aggregate(settings))
+    except BrokerUnreachable as exc:
+        print(f"hami-usage aggregate: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -253,10 +265,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if not cfg.csv and not cfg.jsonl:
         raise UsageError("hami-usage replay: give --csv FILE or --jsonl FILE")
     window = _window(cfg)
+    _logging(logging.WARNING)
     if cfg.kafka:
-        written, stats = asyncio.run(
-            replay_kafka(cfg.kafka, cfg.topic, window, rng, cfg.csv, cfg.jsonl)
-        )
+        try:
+            written, stats = asyncio.run(
+                replay_kafka(cfg.kafka, cfg.topic, window, rng, cfg.csv, cfg.jsonl)
+            )
+        except BrokerUnreachable as exc:
+            print(f"hami-usage replay: {exc}", file=sys.stderr)
+            return 1
     else:
         if not Path(cfg.log).is_dir():
             raise UsageError(f"hami-usage replay: --log {cfg.log}: not a directory")

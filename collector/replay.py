@@ -155,7 +155,10 @@ async def replay_kafka(
 ) -> tuple[int, InputStats]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
+    from .transport.kafka import wait_for_broker
+
     start = rng.from_ms - window.max_gap_ms - window.lateness_ms - SLACK_MS
+    await wait_for_broker(bootstrap, 10.0)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,

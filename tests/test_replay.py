@@ -172,3 +172,21 @@ def test_replay_usage_errors_missing_log(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_replay_without_a_broker_says_so_in_one_line(tmp_path: Path) -> None:
+    proc = hami(
+        "replay",
+        "--kafka",
+        "127.0.0.1:1",
+        "--from",
+        "2026-01-01T00:00:00",
+        "--to",
+        "2026-01-01T01:00:00",
+        "--csv",
+        tmp_path / "r.csv",
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hami-usage replay: no Kafka broker at 127.0.0.1:1 after 10 s")
+    assert "Traceback" not in proc.stderr

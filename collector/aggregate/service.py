@@ -137,6 +137,7 @@ class AggregateSettings:
     otlp: str | None = None
     drain: bool = False
     instance: str = "0"
+    start_timeout_s: float = 60.0
     stats: InputStats = field(default_factory=InputStats)
 
 
@@ -248,6 +249,8 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.structs import OffsetAndMetadata
 
+    from ..transport.kafka import wait_for_broker
+
     assert settings.kafka is not None
     aggs: dict[TopicPartition, Aggregator] = {}
     positions: dict[TopicPartition, int] = {}
@@ -318,12 +321,13 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             await producer.abort_transaction()
             raise
 
-    await admin.start()
-    await producer.start()
     consumer.subscribe([settings.topic], listener=Rebalance())
-    await consumer.start()
     outputs: Outputs | None = None
     try:
+        await wait_for_broker(settings.kafka, settings.start_timeout_s)
+        await admin.start()
+        await producer.start()
+        await consumer.start()
         # Wait for the first assignment: the file outputs resume from its checkpoint. The
         # group join runs in aiokafka's own task; a getmany here would hand out (and this
         # loop drop) records of partitions that are being assigned.

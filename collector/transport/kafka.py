@@ -18,7 +18,13 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from .locallog import LocalLog, LogReader
 
@@ -69,6 +75,33 @@ class QuietRetries(logging.Filter):
         if held:
             record.msg = f"{record.msg} [and {held} more like it since the last one shown]"
         return True
+
+
+class BrokerUnreachable(Exception):
+    """No broker answered within the start-up timeout; the message is one line for stderr."""
+
+
+async def wait_for_broker(bootstrap: str, timeout_s: float) -> None:
+    """Wait until the cluster answers a metadata request (a broker may still be starting
+    during a rollout), retrying with backoff; BrokerUnreachable after `timeout_s`."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    try:
+        async for attempt in AsyncRetrying(
+            stop=stop_after_delay(timeout_s),
+            wait=wait_exponential(multiplier=0.2, max=5),
+            retry=retry_if_exception_type(KafkaError),
+            reraise=True,
+        ):
+            with attempt:
+                probe = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+                try:
+                    await probe.start()
+                finally:
+                    await probe.close()
+    except KafkaError as exc:
+        detail = f"no Kafka broker at {bootstrap} after {timeout_s:.0f} s: {exc}"
+        raise BrokerUnreachable(detail) from None
 
 
 def make_producer(s: ProducerSettings) -> AIOKafkaProducer:
