@@ -10,11 +10,11 @@ fields are asserted separately, so the doc and the code cannot drift together.
 from __future__ import annotations
 
 import ctypes as C
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from ccompile import compile_c
 
 from collector.layout.declarations import LAYOUTS, Layout, SemT
 
@@ -44,15 +44,7 @@ def python_lines() -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def c_lines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    assert cc is not None, "a C compiler (cc) is needed for the offset check"
-    exe = tmp_path_factory.mktemp("layouts") / "layouts"
-    subprocess.run(
-        [cc, "-std=c11", "-O0", "-Wall", "-Wextra", "-Werror", "-o", str(exe), str(C_SOURCE)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    exe = compile_c(C_SOURCE, tmp_path_factory.mktemp("layouts"))
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     lines: dict[str, int] = {}
     for line in out.splitlines():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes as C
 import os
-import shutil
 import struct
 import subprocess
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ccompile import compile_c
 
 from collector.layout.declarations import LAYOUTS, Layout
 from collector.layout.reader import read_snapshot, snapshot_fd
@@ -46,16 +46,7 @@ WRITER_SECONDS = 60.0  # upper bound; the test stops the writer when done
 
 @pytest.fixture(scope="module")
 def writer_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    assert cc is not None, "a C compiler (cc) is needed for the concurrency test"
-    exe = tmp_path_factory.mktemp("seqlock") / "seqlock_writer"
-    subprocess.run(
-        [cc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(exe), str(C_SOURCE)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return exe
+    return compile_c(C_SOURCE, tmp_path_factory.mktemp("seqlock"), opt="-O2")
 
 
 @dataclass(frozen=True)
