@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .aggregate.records import BillingRecord
+from .aggregate.records import BillingRecord, record_order
 from .aggregate.service import Checkpoint, InputStats, Outputs, add_record
 from .aggregate.windows import Aggregator, WindowSettings
 
@@ -121,9 +121,7 @@ class Replay:
         for agg in self._aggs.values():
             self._kept += [r for r in agg.flush() if _in_range(r, self.rng)]
         self.progress.close()
-        self._kept.sort(
-            key=lambda r: (r.window_start_ms, r.node, r.pod_uid, r.container, r.device_uuid)
-        )
+        self._kept.sort(key=record_order)
         outputs.write(self._kept)
         return self.stats
 

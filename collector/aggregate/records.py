@@ -27,6 +27,7 @@ __all__ = [
     "iso_utc",
     "jsonl_line",
     "make_record_id",
+    "record_order",
     "to_msgpack",
 ]
 
@@ -67,6 +68,11 @@ class Gauge(msgspec.Struct, frozen=True):
     memory_limit_bytes: int
     sm_percent: int
     nvml_memory_bytes: int
+
+
+def record_order(r: BillingRecord) -> tuple[int, str, str, str, str]:
+    """The order records are written in, live and in replay alike (so their files match)."""
+    return (r.window_start_ms, r.node, r.pod_uid, r.container, r.device_uuid)
 
 
 def make_record_id(

@@ -28,7 +28,7 @@ import msgspec
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from ..events import UnknownSchemaVersion, decode
-from .records import BillingRecord
+from .records import BillingRecord, record_order
 from .sinks import CsvSink, JsonlSink
 from .windows import Aggregator, WindowSettings
 
@@ -164,10 +164,7 @@ def add_record(
 
 
 def _sorted(records: Iterable[BillingRecord]) -> list[BillingRecord]:
-    return sorted(
-        records,
-        key=lambda r: (r.window_start_ms, r.node, r.pod_uid, r.container, r.device_uuid),
-    )
+    return sorted(records, key=record_order)
 
 
 def report(settings: AggregateSettings, aggregators: Iterable[Aggregator], written: int) -> str:
