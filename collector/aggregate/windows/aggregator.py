@@ -1,0 +1,206 @@
+"""The Aggregator facade: events in (`add`), billing records out (`advance`, `flush`), restart
+offsets and gauges. Each concept lives in its own module of this package; this one wires them:
+
+* input: `Progress` (per-source offsets, watermark, future events) -> `Incarnations`
+  (de-duplication, supersession) -> a `Track` per container (events pending until their window
+  closes; late ones counted by `late.count_late`);
+* closing: `close.run` per track (in-order `apply`, `late.apply_late`, `Integrator`) ->
+  `Output` -> records; then tracks and incarnations nobody needs are forgotten;
+* `checkpoint.needed_offsets` and `gauges.gauges` read the tracks.
+"""
+
+from __future__ import annotations
+
+from ...events import (
+    ContainerAppeared,
+    ContainerGone,
+    Event,
+    Heartbeat,
+    LimitsChanged,
+    NodeDeviceSample,
+    ProcessExited,
+    ProcessStarted,
+    UsageSample,
+)
+from ..records import BillingRecord, Gauge
+from .checkpoint import needed_offsets
+from .close import run
+from .gauges import gauges
+from .incarnations import Incarnations
+from .integrate import Integrator
+from .late import count_late
+from .output import Output
+from .progress import Progress
+from .settings import NEVER, WindowSettings
+from .state import NODE_CID, SUPERSEDE, Track
+from .stats import AggregateStats
+
+__all__ = ["Aggregator"]
+
+
+class Aggregator:
+    """Integrates events into billing records; see the package docstring for the semantics."""
+
+    def __init__(self, settings: WindowSettings, *, emitted_until_ms: int = 0) -> None:
+        self.settings = settings
+        self.stats = AggregateStats()
+        self._w = settings.window_ms
+        self._lateness = settings.lateness_ms
+        self._gap = settings.max_gap_ms
+        self._suppress = emitted_until_ms
+        self._closed: int | None = None
+        self._tracks: dict[tuple[str, int, int], Track] = {}
+        self._incs = Incarnations()
+        self._progress = Progress(settings.max_skew_ms)
+        self._arrival = 0
+        self._ig = Integrator(settings, self.stats, Output(self._w, emitted_until_ms, self.stats))
+
+    @property
+    def emitted_until_ms(self) -> int:
+        """End of the last closed window (at least the `emitted_until_ms` it started with)."""
+        closed = self._closed
+        return self._suppress if closed is None or closed < self._suppress else closed
+
+    # --- input ---------------------------------------------------------------------------
+
+    def add(
+        self,
+        node: str,
+        event: Event,
+        *,
+        source: int = 0,
+        offset: int = 0,
+        record_ts_ms: int | None = None,
+    ) -> None:
+        stats = self.stats
+        stats.events += 1
+        progress = self._progress
+        progress.offset(source, offset)
+        ts = event.ts
+        if progress.too_far_ahead(ts, record_ts_ms):
+            stats.future_events += 1
+            return
+        inc = event.inc
+        seq = event.seq
+        if not self._incs.admit(node, inc, seq, ts):
+            stats.duplicates += 1
+            return
+        progress.event(source, ts)
+        closed = self._closed
+        eff = ts if closed is None or ts >= closed else closed
+        self._arrival += 1
+        rows = 0
+        if isinstance(event, UsageSample):
+            tr = self._tracks.get((node, inc, event.cid))
+            if tr is None:
+                tr = self._track(node, inc, event.cid, source)
+            tr.pending.append((eff, ts, seq, self._arrival, event, offset))
+            rows = len(event.rows)
+        elif isinstance(event, Heartbeat):
+            for state in event.containers:
+                tr = self._track(node, inc, state.cid, source)
+                tr.pending.append((eff, ts, seq, self._arrival, state, offset))
+                rows += len(state.rows)
+        elif isinstance(
+            event,
+            ContainerAppeared | ContainerGone | ProcessStarted | ProcessExited | LimitsChanged,
+        ):
+            tr = self._track(node, inc, event.cid, source)
+            tr.pending.append((eff, ts, seq, self._arrival, event, offset))
+        elif isinstance(event, NodeDeviceSample):
+            tr = self._track(node, inc, NODE_CID, source)
+            tr.pending.append((eff, ts, seq, self._arrival, event, offset))
+            rows = len(event.rows)
+        # LayoutAnomaly, DeviceInventory: counted above, nothing to integrate.
+        if eff != ts:
+            assert closed is not None
+            count_late(stats, rows, ts, closed, self._gap)
+
+    def _track(self, node: str, inc: int, cid: int, source: int) -> Track:
+        tr = self._tracks.get((node, inc, cid))
+        if tr is None:
+            closed = self._closed
+            tr = Track(node, inc, cid, source, -NEVER if closed is None else closed)
+            self._tracks[(node, inc, cid)] = tr
+        return tr
+
+    # --- closing windows -----------------------------------------------------------------
+
+    def advance(self) -> list[BillingRecord]:
+        """Close every window whose end is at or below the watermark; records sorted by
+        (window_start, node, pod_uid, container, device_uuid)."""
+        top = self._progress.watermark_top()
+        if top is None:
+            return []
+        wm = top - self._lateness
+        target = wm - wm % self._w
+        if self._closed is not None and target <= self._closed:
+            return []
+        return self._close(target)
+
+    def flush(self) -> list[BillingRecord]:
+        """Close everything (for --drain): every value runs to its next change or its cap."""
+        newest = self._progress.newest()
+        if newest is None:
+            return []
+        end = newest + self._gap
+        target = -(-end // self._w) * self._w
+        if self._closed is not None and target <= self._closed:
+            return []
+        return self._close(target)
+
+    def _close(self, target: int) -> list[BillingRecord]:
+        ig = self._ig
+        for tr in self._tracks.values():
+            self._maybe_supersede(tr, target)
+            run(ig, tr, target)
+        self._closed = target
+        self._prune(target)
+        return ig.output.records()
+
+    def _maybe_supersede(self, tr: Track, target: int) -> None:
+        """Put the start of a newer incarnation of the node on this track's timeline, once."""
+        cut = self._incs.cut(tr.node, tr.inc)
+        if cut >= target or (tr.cut is not None and tr.cut <= cut):
+            return
+        tr.cut = cut
+        closed = self._closed
+        eff = cut if closed is None or cut >= closed else closed
+        self._arrival += 1
+        tr.pending.append((eff, cut, -1, self._arrival, SUPERSEDE, -1))
+
+    def _prune(self, closed: int) -> None:
+        gap = self._gap
+        retain = self._ig.retain
+        live_incs: set[tuple[str, int]] = set()
+        drop: list[tuple[str, int, int]] = []
+        for key, tr in self._tracks.items():
+            if tr.ended:
+                tr.ended = {k: t for k, t in tr.ended.items() if t > closed - gap}
+            # Dropping a track must not change any record, whenever advance() is called: what is
+            # dropped is what a new track would be (no name, nothing live or pending).
+            if (
+                tr.pending
+                or tr.nkeys
+                or (tr.alive and tr.last_ts + gap > closed)
+                or (tr.pod_uid is not None and tr.last_ts + retain > closed)
+            ):
+                live_incs.add((tr.node, tr.inc))
+            else:
+                drop.append(key)
+        for key in drop:
+            del self._tracks[key]
+        # An older incarnation is forgotten (with its de-duplication state) once it has no
+        # containers and its last event is well behind the closed end.
+        self._incs.prune(live_incs, closed - gap - self._lateness - self._w)
+
+    # --- checkpoints and gauges ----------------------------------------------------------
+
+    def needed_offsets(self) -> dict[int, int]:
+        """Per source: the earliest offset still needed to rebuild the open windows, or the
+        offset after the last one added when nothing is (see `checkpoint`)."""
+        return needed_offsets(self._tracks.values(), self._progress, self._closed, self._gap)
+
+    def gauges(self) -> list[Gauge]:
+        """Current values per container billing row (see `gauges`)."""
+        return gauges(self._tracks.values(), self._progress, self._gap)

@@ -1,0 +1,243 @@
+"""Applying a track's events in event-time order: samples, ends, presence and identity.
+
+* A **usage key** is (node, inc, cid, pid, hostpid, device); every `UsageRow` (in a
+  `UsageSample` or in a heartbeat's `ContainerState.rows`) is an absolute sample of its key at the
+  event's `ts`. The value holds until the next sample of the key, an end of the key, or
+  `max_gap_ms` after its own ts, whichever comes first.
+* Ends: `ProcessExited` ends every key of (cid, pid, hostpid); `ContainerGone` ends every key
+  and the presence of the container; a heartbeat that restates a container without a key the
+  aggregator holds ends that key at the heartbeat's ts (the exit was missed).
+* **Presence** of a container (node, inc, cid) is refreshed by every event of that cid
+  (appeared, sample, limits, process events, heartbeat state; not layout anomalies), capped at
+  `max_gap_ms` after the last one, and ended by `ContainerGone`. Limits are billed while present.
+* **Identity**: `ContainerAppeared` or a heartbeat's `ContainerState` names the container and
+  gives its device table (UUIDs, limits); `LimitsChanged` replaces the table. Rows at a time when
+  the container is not named, or of a device index its table does not list, are counted in
+  `stats.unattributed_rows` and ignored. The name is dropped at `ContainerGone` and after
+  `2 x max_gap_ms` without any event of the container.
+* **Node rows**: a `NodeDeviceSample` names the node's pseudo-container and states one key per
+  device UUID (see the package docstring).
+"""
+
+from __future__ import annotations
+
+from ...events import (
+    ContainerAppeared,
+    ContainerGone,
+    ContainerState,
+    DeviceLimit,
+    LimitsChanged,
+    NodeDeviceSample,
+    ProcessExited,
+    UsageRow,
+    UsageSample,
+)
+from .integrate import Integrator
+from .settings import NEVER
+from .state import Device, Entry, Supersede, Track
+
+__all__ = [
+    "apply",
+    "end_process",
+    "forget",
+    "gone",
+    "learn",
+    "node_rows",
+    "apply_rows",
+    "set_limits",
+    "state",
+]
+
+
+def apply(ig: Integrator, tr: Track, e: Entry) -> None:
+    """Apply an in-time event at its own ts (the track is integrated up to it)."""
+    t = e[0]
+    if tr.pod_uid is not None and t >= tr.last_ts + ig.retain:
+        forget(ig, tr)  # silent for too long: wait for a restatement
+    ws = t - t % ig.w
+    if ws != tr.win:
+        ig.roll(tr, ws)
+    p = e[4]
+    off = e[5]
+    if isinstance(p, UsageSample):
+        tr.alive = True
+        tr.last_ts = t
+        tr.pres_off = off
+        apply_rows(ig, tr, p.rows, t, off)
+    elif isinstance(p, ContainerState):
+        state(ig, tr, p, t, off)
+    elif isinstance(p, ContainerGone | Supersede):
+        gone(ig, tr, t)
+    elif isinstance(p, NodeDeviceSample):
+        named = node_rows(ig, tr, p, t)
+        if named is not None:
+            apply_rows(ig, tr, named, t, off)
+    else:
+        tr.alive = True
+        tr.last_ts = t
+        tr.pres_off = off
+        if isinstance(p, ProcessExited):
+            end_process(ig, tr, p.pid, p.hostpid, t)
+        elif isinstance(p, ContainerAppeared):
+            learn(ig, tr, p.pod_uid, p.container, p.devices, t, off)
+        elif isinstance(p, LimitsChanged):
+            set_limits(ig, tr, p.devices, t, off)
+
+
+def apply_rows(ig: Integrator, tr: Track, rows: list[UsageRow], t: int, off: int) -> None:
+    """Samples at `t` (the hot path: no allocation for a key that is already live)."""
+    if tr.pod_uid is None:
+        ig.stats.unattributed_rows += len(rows)
+        return
+    devs = tr.devs
+    keys = tr.keys
+    exp = t + ig.gap
+    for r in rows:
+        dev = r.device
+        d = devs.get(dev)
+        if d is None or d.uuid is None:
+            ig.stats.unattributed_rows += 1
+            continue
+        k = (r.pid, r.hostpid, dev)
+        total = r.total
+        mon = r.monitor
+        sm = r.sm_util
+        v = keys.get(k)
+        if v is None:
+            keys[k] = [total, mon, sm, t, off]
+            d.total += total
+            d.monitor += mon
+            d.sm += sm
+            d.nkeys += 1
+            tr.nkeys += 1
+            if exp < tr.next_exp:
+                tr.next_exp = exp
+            if tr.expired:
+                ig.unexpire(tr, k, t)
+        else:
+            d.total += total - v[0]
+            d.monitor += mon - v[1]
+            d.sm += sm - v[2]
+            v[0] = total
+            v[1] = mon
+            v[2] = sm
+            v[3] = t
+            v[4] = off
+        d.samples += 1
+
+
+def node_rows(ig: Integrator, tr: Track, sample: NodeDeviceSample, t: int) -> list[UsageRow] | None:
+    """A node sample names the node's pseudo-container (pod_uid and container empty) and
+    states one key per device UUID, held as the process row (0, 0, index) of that device:
+    total = unaccounted bytes, monitor = NVML memory used, sm_util = device utilisation.
+    Once a newer incarnation ended it, nothing names it again: None (the rows are counted as
+    unattributed)."""
+    uuids = tr.uuids
+    assert uuids is not None
+    if tr.pod_uid is None:
+        if tr.gone_ts is not None:
+            ig.stats.unattributed_rows += len(sample.rows)
+            return None
+        tr.pod_uid = ""
+    if t > tr.last_ts:
+        tr.last_ts = t  # only for forgetting the track; a node has no presence (alive)
+    devs = tr.devs
+    out = []
+    for r in sample.rows:
+        i = uuids.get(r.uuid)
+        if i is None:
+            i = uuids[r.uuid] = len(uuids)
+            devs[i] = Device()
+        devs[i].uuid = r.uuid
+        out.append(UsageRow(0, 0, i, r.unaccounted_bytes, 0, 0, 0, r.memory_used, r.utilization))
+    return out
+
+
+def state(ig: Integrator, tr: Track, st: ContainerState, t: int, off: int) -> None:
+    tr.alive = True
+    tr.last_ts = t
+    tr.pres_off = off
+    learn(ig, tr, st.pod_uid, st.container, st.devices, t, off)
+    apply_rows(ig, tr, st.rows, t, off)
+    if tr.keys or tr.expired:
+        stated = {(r.pid, r.hostpid, r.device) for r in st.rows}
+        for k in [k for k in tr.keys if k not in stated]:
+            ig.drop_key(tr, k)
+            tr.ended[k] = t
+        for k in [k for k in tr.expired if k not in stated]:
+            ig.unexpire(tr, k, t)
+
+
+def end_process(ig: Integrator, tr: Track, pid: int, hostpid: int, t: int) -> None:
+    for dev in tr.devs:
+        k = (pid, hostpid, dev)
+        if k in tr.keys:
+            ig.drop_key(tr, k)
+        if k in tr.expired:
+            ig.unexpire(tr, k, t)
+    tr.ended[(pid, hostpid)] = t
+
+
+def gone(ig: Integrator, tr: Track, t: int) -> None:
+    tr.keys.clear()
+    for d in tr.devs.values():
+        d.total = d.monitor = d.sm = d.nkeys = 0
+    tr.nkeys = 0
+    tr.next_exp = NEVER
+    for k in list(tr.expired):
+        ig.unexpire(tr, k, t)
+    tr.alive = False
+    if tr.gone_ts is None or t > tr.gone_ts:
+        tr.gone_ts = t
+    forget(ig, tr)
+
+
+def learn(
+    ig: Integrator,
+    tr: Track,
+    pod_uid: str,
+    container: str,
+    devices: list[DeviceLimit],
+    t: int,
+    off: int,
+) -> None:
+    if tr.pod_uid is not None and (tr.pod_uid, tr.container) != (pod_uid, container):
+        ig.output.emit(tr)  # what was accumulated belongs to the old name
+    tr.pod_uid = pod_uid
+    tr.container = container
+    tr.ident_off = off
+    set_limits(ig, tr, devices, t, off)
+
+
+def forget(ig: Integrator, tr: Track) -> None:
+    """Drop the name and device table; the window so far is handed out under them first."""
+    ig.output.emit(tr)
+    tr.pod_uid = None
+    tr.container = ""
+    for d in tr.devs.values():
+        d.uuid = None
+        d.limit = d.sm_limit = 0
+    tr.limits_ts = None
+
+
+def set_limits(ig: Integrator, tr: Track, devices: list[DeviceLimit], t: int, off: int) -> None:
+    """The device list of an appeared/heartbeat/limits event is the whole table."""
+    table = {x.index: x for x in devices}
+    devs = tr.devs
+    for i, d in devs.items():
+        if d.uuid is not None and (i not in table or table[i].uuid != d.uuid):
+            ig.output.emit(tr)  # a device leaves the table: hand out its window so far
+            break
+    for i, d in devs.items():
+        if i not in table:
+            d.uuid = None
+            d.limit = d.sm_limit = 0
+    for i, x in table.items():
+        dev = devs.get(i)
+        if dev is None:
+            dev = devs[i] = Device()
+        dev.uuid = x.uuid
+        dev.limit = x.limit_bytes
+        dev.sm_limit = x.sm_limit
+    tr.limits_ts = t
+    tr.limits_off = off

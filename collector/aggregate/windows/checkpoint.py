@@ -1,0 +1,46 @@
+"""Restart (exactly once): which offsets must be read again to rebuild the open windows.
+
+`needed_offsets()` gives, per source, the earliest offset whose event is still needed to rebuild
+the open windows: pending events, the samples behind every live key, the events behind each
+container's identity, limits and presence. A new `Aggregator(emitted_until_ms=E)` fed from those
+offsets recomputes the windows ending at or before E and suppresses them. One node's events are
+assumed to stay in one source (the node is the Kafka key). Late events are classified against
+this instance's own closed end, so a restart can classify a late event differently; in-time
+input gives the same records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .progress import Progress
+from .settings import NEVER
+from .state import Track
+
+__all__ = ["needed_offsets"]
+
+
+def needed_offsets(
+    tracks: Iterable[Track], progress: Progress, closed: int | None, gap: int
+) -> dict[int, int]:
+    """Per source: the earliest offset still needed to rebuild the open windows, or the
+    offset after the last one added when nothing is."""
+    need: dict[int, int] = {}
+    for tr in tracks:
+        m = NEVER
+        for e in tr.pending:
+            if 0 <= e[5] < m:
+                m = e[5]
+        for v in tr.keys.values():
+            if v[4] < m:
+                m = v[4]
+        if tr.uuids is not None:
+            pass  # the node: every sample names it, so its keys and pending events are all
+        elif tr.pod_uid is not None:
+            # the last event too: it decides when the name is forgotten
+            m = min(m, tr.ident_off, tr.limits_off, tr.pres_off)
+        elif tr.alive and (closed is None or tr.last_ts + gap > closed) and tr.pres_off < m:
+            m = tr.pres_off
+        if m < need.get(tr.source, NEVER):
+            need[tr.source] = m
+    return {src: min(need.get(src, nxt), nxt) for src, nxt in progress.next_offsets().items()}

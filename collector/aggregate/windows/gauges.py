@@ -1,0 +1,102 @@
+"""Current values per container billing row (for OTLP gauges), as of the newest event time of
+each container's source."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ...events import (
+    ContainerAppeared,
+    ContainerGone,
+    ContainerState,
+    LimitsChanged,
+    ProcessExited,
+    UsageSample,
+)
+from ..records import Gauge
+from .progress import Progress
+from .settings import NEVER
+from .state import Supersede, Track
+
+__all__ = ["gauges"]
+
+
+def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]:
+    """Current values per container billing row, as of the newest event time of its source
+    (events not yet integrated included; late ones judged by their own ts, roughly). Node
+    rows have no gauges."""
+    rows: dict[tuple[str, str, str, str], list[int]] = {}
+    for tr in tracks:
+        if tr.uuids is not None:
+            continue
+        now = progress.now(tr.source)
+        ident = None if tr.pod_uid is None else (tr.pod_uid, tr.container)
+        table = {i: (d.uuid, d.limit) for i, d in tr.devs.items() if d.uuid is not None}
+        limits_ts = -NEVER if tr.limits_ts is None else tr.limits_ts
+        keys = {k: (v[0], v[1], v[2], v[3]) for k, v in tr.keys.items()}
+        alive = tr.alive
+        last = tr.last_ts
+        for e in sorted(tr.pending):
+            ts = e[1]
+            p = e[4]
+            if isinstance(p, ContainerGone | Supersede):
+                keys = {k: v for k, v in keys.items() if v[3] > ts}
+                if last <= ts:
+                    alive = False
+                    ident = None
+                continue
+            if ts >= last:
+                alive = True
+                last = ts
+            if isinstance(p, ContainerAppeared | ContainerState):
+                ident = (p.pod_uid, p.container)
+            if isinstance(p, ContainerAppeared | ContainerState | LimitsChanged) and (
+                ts >= limits_ts
+            ):
+                table = {x.index: (x.uuid, x.limit_bytes) for x in p.devices}
+                limits_ts = ts
+            if isinstance(p, UsageSample | ContainerState):
+                for r in p.rows:
+                    k = (r.pid, r.hostpid, r.device)
+                    old = keys.get(k)
+                    if old is None or old[3] <= ts:
+                        keys[k] = (r.total, r.monitor, r.sm_util, ts)
+            if isinstance(p, ContainerState):
+                stated = {(r.pid, r.hostpid, r.device) for r in p.rows}
+                keys = {k: v for k, v in keys.items() if k in stated or v[3] > ts}
+            elif isinstance(p, ProcessExited):
+                proc = (p.pid, p.hostpid)
+                keys = {k: v for k, v in keys.items() if k[:2] != proc or v[3] > ts}
+        if ident is None:
+            continue
+        present = alive and last + gap > now
+        usage: dict[int, list[int]] = {}
+        for k, v in keys.items():
+            if v[3] + gap > now:
+                u = usage.setdefault(k[2], [0, 0, 0])
+                u[0] += v[0]
+                u[1] += v[1]
+                u[2] += v[2]
+        for dev in set(usage) | (set(table) if present else set()):
+            if dev not in table:
+                continue
+            uuid, limit = table[dev]
+            u = usage.get(dev, [0, 0, 0])
+            g = rows.setdefault((tr.node, ident[0], ident[1], uuid), [0, 0, 0, 0])
+            g[0] += u[0]
+            g[1] = max(g[1], limit if present else 0)
+            g[2] += u[2]
+            g[3] += u[1]
+    return [
+        Gauge(
+            node=node,
+            pod_uid=pod_uid,
+            container=container,
+            device_uuid=uuid,
+            memory_used_bytes=g[0],
+            memory_limit_bytes=g[1],
+            sm_percent=g[2],
+            nvml_memory_bytes=g[3],
+        )
+        for (node, pod_uid, container, uuid), g in sorted(rows.items())
+    ]

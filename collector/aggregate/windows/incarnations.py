@@ -1,0 +1,110 @@
+"""Collector incarnations (node, inc): de-duplication and the rule that a newer one supersedes.
+
+Duplicates
+----------
+(node, inc, seq) identifies an event. Per (node, inc) the aggregator keeps the highest seq seen
+and the set of seqs above `highest - DEDUP_WINDOW` (10 000). An event seen before is dropped and
+counted in `stats.duplicates`; so is an event more than `DEDUP_WINDOW` sequence numbers behind the
+newest of its incarnation (that far behind it is a redelivery, not reordering). The state of an
+incarnation is forgotten once a newer one exists, it has no containers left, and its last event
+is more than max_gap + lateness + one window behind the closed end; a redelivery after that is
+no longer recognised (it is then late, or an event of a container that is not named).
+
+Supersession
+------------
+A collector restart starts a new `inc` on the same node, and the old one never says goodbye. The
+first event of a newer incarnation (one whose first event time is later) ends every container of
+the older ones of that node at that time: `Incarnations.cut` gives that time, the window close
+puts it on the old containers' timelines.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from .settings import NEVER
+
+__all__ = ["DEDUP_WINDOW", "Incarnation", "Incarnations"]
+
+DEDUP_WINDOW: Final = 10_000
+
+
+class Incarnation:
+    """One collector incarnation (node, inc): de-duplication state and its event-time span.
+
+    Per incarnation the highest seq seen and the set of seqs above `highest - DEDUP_WINDOW`."""
+
+    __slots__ = ("first_ts", "hwm", "last_ts", "seqs")
+
+    def __init__(self) -> None:
+        self.hwm = -1
+        self.seqs: set[int] = set()
+        self.first_ts = NEVER
+        self.last_ts = -NEVER
+
+    def prune(self) -> None:
+        low = self.hwm - DEDUP_WINDOW
+        self.seqs = {s for s in self.seqs if s > low}
+
+    def seen_before(self, seq: int) -> bool:
+        """For a seq at or below the highest one (the caller handles the common case)."""
+        if seq <= self.hwm - DEDUP_WINDOW or seq in self.seqs:
+            return True
+        self.seqs.add(seq)
+        return False
+
+
+class Incarnations:
+    """Every incarnation the aggregator knows, by (node, inc) and grouped by node."""
+
+    __slots__ = ("_by_node", "_incs")
+
+    def __init__(self) -> None:
+        self._incs: dict[tuple[str, int], Incarnation] = {}
+        self._by_node: dict[str, dict[int, Incarnation]] = {}
+
+    def admit(self, node: str, inc: int, seq: int, ts: int) -> bool:
+        """Record event (node, inc, seq) at `ts`; False when it is a duplicate (nothing
+        recorded then)."""
+        incarnation = self._incs.get((node, inc))
+        if incarnation is None:
+            incarnation = self._incs[(node, inc)] = Incarnation()
+            self._by_node.setdefault(node, {})[inc] = incarnation
+        if seq > incarnation.hwm:
+            incarnation.hwm = seq
+            seqs = incarnation.seqs
+            seqs.add(seq)
+            if len(seqs) > 2 * DEDUP_WINDOW:
+                incarnation.prune()
+        elif incarnation.seen_before(seq):
+            return False
+        if ts < incarnation.first_ts:
+            incarnation.first_ts = ts
+        if ts > incarnation.last_ts:
+            incarnation.last_ts = ts
+        return True
+
+    def cut(self, node: str, inc: int) -> int:
+        """The first event time of the earliest newer incarnation of `node` (NEVER if none)."""
+        incs = self._by_node.get(node)
+        if incs is None or len(incs) < 2:
+            return NEVER
+        mine = incs.get(inc)
+        if mine is None:
+            return NEVER
+        cut = NEVER
+        for other in incs.values():
+            if mine.first_ts < other.first_ts < cut:
+                cut = other.first_ts
+        return cut
+
+    def prune(self, live: set[tuple[str, int]], horizon: int) -> None:
+        """Forget the older incarnations with no containers (`live` has those that have one)
+        whose last event is before `horizon`."""
+        for node, incs in self._by_node.items():
+            if len(incs) > 1:
+                newest = max(incs, key=lambda i: (incs[i].first_ts, i))
+                for inc in [i for i in incs if i != newest and (node, i) not in live]:
+                    if incs[inc].last_ts < horizon:
+                        del incs[inc]
+                        del self._incs[(node, inc)]

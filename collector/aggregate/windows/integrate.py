@@ -1,0 +1,107 @@
+"""Time on a track's timeline: integrating its live values over [a, b), split at window edges
+and at the `max_gap_ms` cap of each key.
+
+Integration is exact integer arithmetic in byte-milliseconds and percent-milliseconds, split at
+window edges; records divide by 1000 only when they are built. `peak_memory_bytes` is the
+largest per-group sum of `total` that was in effect for a positive time in the window. Time
+between a key's cap and the next event that restates or ends it is *unobserved*: not billed,
+and counted (per key, in key-milliseconds) in `stats.unobserved_ms`.
+"""
+
+from __future__ import annotations
+
+from .output import Output
+from .settings import NEVER, RETAIN_GAPS, WindowSettings
+from .state import Key, Track
+from .stats import AggregateStats
+
+__all__ = ["Integrator"]
+
+
+class Integrator:
+    """The settings, counters and output every timeline step needs, and the steps that move a
+    track's time forward."""
+
+    __slots__ = ("gap", "output", "retain", "stats", "w")
+
+    def __init__(self, settings: WindowSettings, stats: AggregateStats, output: Output) -> None:
+        self.w = settings.window_ms
+        self.gap = settings.max_gap_ms
+        self.retain = RETAIN_GAPS * settings.max_gap_ms
+        self.stats = stats
+        self.output = output
+
+    def integrate(self, tr: Track, a: int, b: int) -> None:
+        """Accumulate [a, b), during which only expiries change the values."""
+        w = self.w
+        gap = self.gap
+        devs = tr.devs.values()
+        while a < b:
+            # presence counts only while the container is named (it is billed by name)
+            pres_end = tr.last_ts + gap if tr.alive and tr.pod_uid is not None else a
+            if not tr.nkeys and pres_end <= a:
+                return
+            ws = a - a % w
+            if ws != tr.win:
+                self.roll(tr, ws)
+            c = ws + w
+            if b < c:
+                c = b
+            if tr.next_exp < c:
+                e = self.expire(tr, a)
+                if e < c:
+                    c = e
+            dt = c - a
+            pdt = 0
+            if pres_end > a:
+                pdt = (c if c < pres_end else pres_end) - a
+                tr.obs += pdt
+            for d in devs:
+                if pdt:
+                    d.lim += d.limit * pdt
+                    d.smlim += d.sm_limit * pdt
+                if d.nkeys:
+                    total = d.total
+                    d.mem += total * dt
+                    d.nvml += d.monitor * dt
+                    d.smp += d.sm * dt
+                    d.cov += dt
+                    if total > d.peak:
+                        d.peak = total
+            a = c
+
+    def expire(self, tr: Track, t: int) -> int:
+        """End the keys whose cap is at or before `t`; return the next expiry (exact)."""
+        gap = self.gap
+        nxt = NEVER
+        gone: list[Key] = []
+        for k, v in tr.keys.items():
+            exp = v[3] + gap
+            if exp <= t:
+                gone.append(k)
+            elif exp < nxt:
+                nxt = exp
+        for k in gone:
+            tr.expired[k] = tr.keys[k][3]
+            self.drop_key(tr, k)
+        tr.next_exp = nxt
+        return nxt
+
+    def roll(self, tr: Track, ws: int) -> None:
+        self.output.emit(tr)
+        tr.win = ws
+
+    def drop_key(self, tr: Track, k: Key) -> None:
+        v = tr.keys.pop(k)
+        d = tr.devs[k[2]]
+        d.total -= v[0]
+        d.monitor -= v[1]
+        d.sm -= v[2]
+        d.nkeys -= 1
+        tr.nkeys -= 1
+
+    def unexpire(self, tr: Track, k: Key, t: int) -> None:
+        """`k` was restated or ended at `t`: the time since its cap was unobserved."""
+        sample_ts = tr.expired.pop(k, None)
+        if sample_ts is not None:
+            self.stats.unobserved_ms += max(0, t - sample_ts - self.gap)

@@ -1,0 +1,33 @@
+"""The window settings and the time constants every part of the aggregator shares."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+__all__ = ["NEVER", "RETAIN_GAPS", "WindowSettings"]
+
+# Later (and minus it: earlier) than any event time.
+NEVER: Final = 1 << 62
+# A container's name is kept this many max_gap after its last event (until ContainerGone at
+# most), so a collector that stalls and resumes with changed rows only is still attributed
+# without waiting for its next heartbeat.
+RETAIN_GAPS: Final = 2
+
+
+class WindowSettings(msgspec.Struct, frozen=True):
+    window_ms: int = 60_000  # tumbling, aligned to the unix epoch
+    lateness_ms: int = 10_000  # allowed lateness
+    max_gap_ms: int = 90_000  # default 3 x heartbeat (heartbeat default 30 s)
+    max_skew_ms: int = 300_000  # an event this far ahead of its record timestamp is dropped
+
+    def __post_init__(self) -> None:
+        if self.window_ms <= 0:
+            raise ValueError(f"window_ms must be > 0, got {self.window_ms}")
+        if self.lateness_ms < 0:
+            raise ValueError(f"lateness_ms must be >= 0, got {self.lateness_ms}")
+        if self.max_gap_ms <= 0:
+            raise ValueError(f"max_gap_ms must be > 0, got {self.max_gap_ms}")
+        if self.max_skew_ms < 0:
+            raise ValueError(f"max_skew_ms must be >= 0, got {self.max_skew_ms}")

@@ -1,0 +1,174 @@
+"""The state the aggregator keeps per container (a track) and per device of it, and the shape of
+the timeline entries a track holds until its window closes."""
+
+from __future__ import annotations
+
+from operator import itemgetter
+from typing import Final, TypeAlias
+
+from ...events import (
+    ContainerAppeared,
+    ContainerGone,
+    ContainerState,
+    LimitsChanged,
+    NodeDeviceSample,
+    ProcessExited,
+    ProcessStarted,
+    UsageSample,
+)
+from .settings import NEVER
+
+__all__ = [
+    "NODE_CID",
+    "SUPERSEDE",
+    "Device",
+    "Entry",
+    "Key",
+    "Payload",
+    "RowKey",
+    "Supersede",
+    "Track",
+    "effective",
+]
+
+# The cid of a node's pseudo-container (its NodeDeviceSample rows): outside the range of any
+# integer a decoded event can carry (msgpack: [-2**63, 2**64)), so no container can be it.
+NODE_CID: Final = -(1 << 64)
+
+
+class Supersede:
+    """Timeline marker: a newer incarnation of the collector on this node started here."""
+
+    __slots__ = ()
+
+
+SUPERSEDE: Final = Supersede()
+
+Payload: TypeAlias = (
+    UsageSample
+    | ContainerState
+    | ContainerAppeared
+    | ContainerGone
+    | ProcessStarted
+    | ProcessExited
+    | LimitsChanged
+    | NodeDeviceSample
+    | Supersede
+)
+# (effective ts, event ts, seq, arrival, payload, offset). The effective ts differs from the event
+# ts only for a late event (it is then the closed end). The first four are unique, so sorting
+# never compares payloads. Offset -1: synthetic, nothing to re-read.
+Entry: TypeAlias = tuple[int, int, int, int, Payload, int]
+Key: TypeAlias = tuple[int, int, int]  # (pid, hostpid, device)
+RowKey: TypeAlias = tuple[int, str, str, str, str]  # (window start, node, pod_uid, ctr, uuid)
+
+effective = itemgetter(0)
+
+
+class Device:
+    """One device of a container: its table entry, the live sums over its keys, and what the
+    window being accumulated has of it (integrals in milli-units)."""
+
+    __slots__ = (
+        "cov",
+        "limit",
+        "lim",
+        "mem",
+        "monitor",
+        "nkeys",
+        "nvml",
+        "peak",
+        "samples",
+        "sm",
+        "sm_limit",
+        "smlim",
+        "smp",
+        "total",
+        "uuid",
+    )
+
+    def __init__(self) -> None:
+        self.uuid: str | None = None  # None: not in the container's current device table
+        self.limit = 0
+        self.sm_limit = 0
+        self.total = 0  # sums over the live keys
+        self.monitor = 0
+        self.sm = 0
+        self.nkeys = 0
+        self.mem = 0  # window accumulators
+        self.nvml = 0
+        self.smp = 0
+        self.lim = 0
+        self.smlim = 0
+        self.peak = 0
+        self.samples = 0
+        self.cov = 0  # time with a live key (the observed time of a node row)
+
+    def has_window(self) -> bool:
+        return bool(self.mem or self.nvml or self.smp or self.lim or self.smlim or self.samples)
+
+    def reset_window(self) -> None:
+        self.mem = self.nvml = self.smp = self.lim = self.smlim = self.peak = self.samples = 0
+        self.cov = 0
+
+
+class Track:
+    """Everything about one container (node, inc, cid): the state at the last closed end (the
+    anchor), events not yet integrated, and the window being accumulated. The node's own rows
+    are the pseudo-container (node, inc, NODE_CID), whose device index stands for a UUID."""
+
+    __slots__ = (
+        "alive",
+        "container",
+        "cur",
+        "cut",
+        "devs",
+        "ended",
+        "expired",
+        "gone_ts",
+        "ident_off",
+        "inc",
+        "keys",
+        "last_ts",
+        "limits_off",
+        "limits_ts",
+        "next_exp",
+        "nkeys",
+        "node",
+        "obs",
+        "pending",
+        "pod_uid",
+        "pres_off",
+        "source",
+        "uuids",
+        "win",
+    )
+
+    def __init__(self, node: str, inc: int, cid: int, source: int, cur: int) -> None:
+        self.node = node
+        self.inc = inc
+        self.source = source
+        self.pod_uid: str | None = None  # None while the container is not named
+        self.container = ""
+        self.ident_off = 0
+        self.devs: dict[int, Device] = {}
+        self.limits_ts: int | None = None
+        self.limits_off = 0
+        # live usage: key -> [total, monitor, sm_util, sample ts, offset]
+        self.keys: dict[Key, list[int]] = {}
+        self.nkeys = 0
+        self.next_exp = NEVER  # lower bound of the earliest key expiry
+        self.expired: dict[Key, int] = {}  # key past its cap -> its sample ts
+        # end ts of keys and of (pid, hostpid): only late events consult them
+        self.ended: dict[tuple[int, ...], int] = {}
+        self.alive = False  # an event was seen and no ContainerGone after it
+        self.last_ts = -NEVER
+        self.gone_ts: int | None = None
+        self.pres_off = 0
+        self.cut: int | None = None  # where a newer incarnation ended this one
+        self.pending: list[Entry] = []
+        self.cur = cur  # integrated up to here
+        self.win: int | None = None  # start of the window being accumulated
+        self.obs = 0  # presence in that window
+        # the node pseudo-container only (else None): device uuid -> its index in devs and keys
+        self.uuids: dict[str, int] | None = {} if cid == NODE_CID else None

@@ -1,0 +1,18 @@
+"""What the aggregator counts instead of billing: every event it drops or cannot attribute."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["AggregateStats"]
+
+
+class AggregateStats(msgspec.Struct):
+    events: int = 0  # every add()
+    duplicates: int = 0
+    late_events: int = 0
+    late_ms_dropped: int = 0  # key-milliseconds of late rows that fell into closed windows
+    future_events: int = 0
+    unattributed_rows: int = 0
+    unobserved_ms: int = 0  # key-milliseconds beyond max_gap before the key was heard of again
+    records: int = 0
