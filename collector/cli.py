@@ -160,6 +160,9 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         nvml_timeout_s=cfg.nvml_timeout,
         drift=DriftTolerance(cfg.drift_tolerance_bytes, cfg.drift_tolerance_ratio),
         metrics_port=cfg.metrics_port,
+        metrics_bind_address=cfg.metrics_bind_address,
+        metrics_hami=cfg.metrics_hami,
+        metrics_hami_legacy=cfg.metrics_hami_legacy,
     )
     _logging(logging.INFO)
     try:
@@ -286,22 +289,18 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-AGGREGATE_FLAGS = [
+REPLAY_FLAGS = [
     "kafka",
     "topic",
-    "billing_topic",
-    "group",
     "log",
     "window",
     "lateness",
     "max_gap",
+    "max_skew",
     "csv",
     "jsonl",
-    "otlp",
-    "drain",
-    "instance",
 ]
-REPLAY_FLAGS = ["kafka", "topic", "log", "window", "lateness", "max_gap", "csv", "jsonl"]
+AGGREGATE_FLAGS = [*REPLAY_FLAGS, "billing_topic", "group", "otlp", "drain", "instance"]
 COLLECT_FLAGS = [
     "root",
     "node",
@@ -314,12 +313,16 @@ COLLECT_FLAGS = [
     "heartbeat",
     "host_proc",
     "linger_ms",
+    "compression",
     "max_scans",
     "nvml",
     "nvml_timeout",
     "drift_tolerance_bytes",
     "drift_tolerance_ratio",
     "metrics_port",
+    "metrics_bind_address",
+    "metrics_hami",
+    "metrics_hami_legacy",
 ]
 
 
@@ -369,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the host's /proc (hostPID): report stale_process for slots whose host pid is gone",
     )
     p.add_argument("--linger-ms", type=int, help="Kafka producer linger (default 50)")
+    p.add_argument("--compression", help="Kafka producer compression (default gzip)")
     p.add_argument("--max-scans", type=int, help="stop after this many scans")
     p.add_argument(
         "--nvml",
@@ -388,8 +392,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus /metrics (HAMi's metric "
-        "names) and /healthz on this port; default off",
+        help="serve Prometheus /metrics (hami_usage_* names) and /healthz on this port; "
+        "default off",
+    )
+    p.add_argument(
+        "--metrics-bind-address",
+        metavar="ADDRESS",
+        help="address the metrics port listens on (default 0.0.0.0)",
+    )
+    p.add_argument(
+        "--metrics-hami",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also serve HAMi's vGPU monitor metrics (names, labels) to replace its monitor",
+    )
+    p.add_argument(
+        "--metrics-hami-legacy",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also serve the metric names HAMi's monitor used before it renamed them",
     )
     p.set_defaults(func=_cmd_collect)
 
@@ -408,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, help="window length in seconds (default 60)")
     p.add_argument("--lateness", type=float, help="allowed lateness in seconds (default 10)")
     p.add_argument("--max-gap", type=float, help="longest a sample holds, seconds (default 90)")
+    p.add_argument(
+        "--max-skew", type=float, help="events this far ahead of their record time are future"
+    )
     p.add_argument("--csv", metavar="FILE", help="append billing records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="append billing records as JSON Lines")
     p.add_argument(
@@ -439,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, help="window length in seconds (default 60)")
     p.add_argument("--lateness", type=float, help="allowed lateness in seconds (default 10)")
     p.add_argument("--max-gap", type=float, help="longest a sample holds, seconds (default 90)")
+    p.add_argument(
+        "--max-skew", type=float, help="events this far ahead of their record time are future"
+    )
     p.add_argument("--csv", metavar="FILE", help="write the records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="write the records as JSON Lines")
     p.set_defaults(func=_cmd_replay)

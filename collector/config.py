@@ -45,6 +45,9 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     drift_tolerance_bytes: NonNegativeInt = 64 * 1024 * 1024
     drift_tolerance_ratio: Annotated[float, Meta(ge=0)] = 0.05
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    metrics_bind_address: str = "0.0.0.0"
+    metrics_hami: bool = False
+    metrics_hami_legacy: bool = False
 
 
 class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -39,6 +39,7 @@ class FakeGpu:
     memory_total: int = 80 * GiB
     memory_used: int = 0
     utilization: int | None = 0
+    memory_utilization: int | None = None
     name: str = "NVIDIA H100 80GB HBM3"
     migs: list[FakeMig] | None = None  # None: MIG off; a list: MIG on, these instances
     processes: dict[int, int | None] = field(default_factory=dict)  # host pid -> bytes / N/A
@@ -82,7 +83,15 @@ class FakeNvml:
         )
         util = None if g.migs is not None else g.utilization
         return NvmlDevice(
-            index, g.uuid, g.name, g.memory_total, g.memory_used, util, g.migs is not None, migs
+            index,
+            g.uuid,
+            g.name,
+            g.memory_total,
+            g.memory_used,
+            util,
+            g.migs is not None,
+            migs,
+            g.memory_utilization,
         )
 
     def processes(self, uuid: str) -> list[NvmlProcess]:

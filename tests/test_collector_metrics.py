@@ -1,71 +1,375 @@
-"""The collector's Prometheus endpoint over real HTTP: HAMi's metric names and /healthz."""
+"""The collector's Prometheus endpoint over real HTTP: its own names, HAMi's (opt-in), HAMi's
+legacy names (opt-in), /healthz, the bind address, and `promtool check metrics` on real scrapes."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_nvml import FakeGpu, FakeMig, FakeNvml
+from operator_tools import promtool_check_metrics
+from prometheus_client.parser import text_string_to_metric_families
 
 from collector.layout.declarations import V12
+from collector.node import metrics
+from collector.node.crosscheck import CrossCheck
+from collector.node.metrics.families import VERSION
+from collector.node.nvml import NvmlSource
 from collector.node.service import Collector, CollectSettings
-from collector.simulate import GiB, MiB, SimDevice, new_cache_file
+from collector.simulate import CacheWriter, GiB, MiB, SimDevice, new_cache_file
 
 GPU = "GPU-aaaaaaaa-bbbb-4ccc-8ddd-eeeeeeeeeeee"
+GPU_MIG = "GPU-bbbbbbbb-bbbb-4ccc-8ddd-eeeeeeeeeeee"
+MIG = "MIG-cccccccc-bbbb-4ccc-8ddd-eeeeeeeeeeee"
 POD = "0b9d6c7e-1f2a-4b3c-9d4e-5f6a7b8c9d0e"
+POD2 = "1b9d6c7e-1f2a-4b3c-9d4e-5f6a7b8c9d0e"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def get(port: int, path: str) -> tuple[int, str]:
+def get(port: int, path: str, host: str = "127.0.0.1", accept: str = "") -> tuple[int, str, str]:
+    request = urllib.request.Request(f"http://{host}:{port}{path}")
+    if accept:
+        request.add_header("Accept", accept)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, resp.read().decode()
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status, resp.headers["Content-Type"], resp.read().decode()
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
 
 
-async def test_metrics_and_health(tmp_path: Path) -> None:
-    root = tmp_path / "containers"
-    w = new_cache_file(root, POD, "main", V12, [SimDevice(GPU, 8 * GiB, 40)])
-    w.add_process(7, 4242)
-    w.add_memory(7, 0, "context", 300 * MiB)
-    w.add_memory(7, 0, "data", GiB)
-    w.watch({4242: {0: (GiB, 55)}})
-    w.kernel_launched(1_000)
-    collector = Collector(
-        CollectSettings(
-            root=root,
-            node="n1",
-            log_dir=tmp_path / "log",
-            interval_s=0.1,
-            nvml=False,
-            metrics_port=0,
+def samples(text: str) -> Samples:
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def names(text: str) -> set[str]:
+    return {name for name, _ in samples(text)}
+
+
+class Node:
+    """Two cache files (one on a whole GPU, one on a MIG instance), a fake NVML, a collector."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        root = tmp_path / "containers"
+        self.writers: list[CacheWriter] = []
+        w = new_cache_file(root, POD, "main", V12, [SimDevice(GPU, 8 * GiB, 40)])
+        w.add_process(7, 4242)
+        w.add_memory(7, 0, "context", 300 * MiB)
+        w.add_memory(7, 0, "module", 20 * MiB)
+        w.add_memory(7, 0, "data", GiB)
+        w.watch({4242: {0: (GiB, 55)}})
+        w.kernel_launched(1_000)
+        self.writers.append(w)
+        m = new_cache_file(root, POD2, "mig", V12, [SimDevice(MIG, 10 * GiB, 0)])
+        m.add_process(9, 4343)
+        m.add_memory(9, 0, "data", 2 * GiB)
+        self.writers.append(m)
+        self.fake = FakeNvml(
+            gpus=[
+                FakeGpu(GPU, memory_used=5 * GiB, utilization=37, memory_utilization=12),
+                FakeGpu(GPU_MIG, migs=[FakeMig(MIG, 40 * GiB, 2 * GiB)]),
+            ]
         )
-    )
-    task = asyncio.create_task(collector.run())
-    try:
+        self.root = root
+
+    def collector(self, tmp_path: Path, **settings: Any) -> Collector:
+        collector = Collector(
+            CollectSettings(
+                root=self.root,
+                node="n1",
+                log_dir=tmp_path / "log",
+                interval_s=0.1,
+                nvml=False,
+                metrics_port=0,
+                **settings,
+            )
+        )
+        source = NvmlSource.open(api_factory=lambda: self.fake)
+        assert source is not None
+        collector.scanner.crosscheck = CrossCheck(source)
+        return collector
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+Serve = Callable[..., Any]
+
+
+@pytest.fixture
+async def serve(tmp_path: Path) -> AsyncIterator[Serve]:
+    node = Node(tmp_path)
+    running: list[tuple[Collector, asyncio.Task[None]]] = []
+
+    async def start(**settings: Any) -> Collector:
+        collector = node.collector(tmp_path / str(len(running)), **settings)
+        task = asyncio.create_task(collector.run())
+        running.append((collector, task))
         while collector.scanner.stats.scans < 2:
             await asyncio.sleep(0.05)
         assert collector.metrics is not None
-        port = collector.metrics.port
-        status, body = await asyncio.to_thread(get, port, "/metrics")
-        assert status == 200
-        labels = f'namespace="",pod="{POD}",container="main",vdevice_index="0",device_uuid="{GPU}"'
-        lines = set(body.splitlines())
-        assert f"hami_vgpu_memory_used_bytes{{{labels}}} {GiB + 300 * MiB}" in lines
-        assert f"hami_vgpu_memory_limit_bytes{{{labels}}} {8 * GiB}" in lines
-        assert f"hami_vgpu_memory_context_bytes{{{labels}}} {300 * MiB}" in lines
-        assert f"hami_vgpu_memory_buffer_bytes{{{labels}}} {GiB}" in lines
-        assert f"hami_container_device_utilization_ratio{{{labels}}} 55" in lines
-        assert any(
-            x.startswith(f"hami_container_last_kernel_elapsed_seconds{{{labels}}} ") for x in lines
-        )
-        assert "hami_usage_files 1" in lines
-        assert "hami_usage_events_dropped_total 0" in lines
-        assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 200
-        assert (await asyncio.to_thread(get, port, "/nope"))[0] == 404
-        collector.metrics.stale_after_s = 0.0  # as if the scan loop had stopped
-        assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 503
+        return collector
+
+    try:
+        yield start
     finally:
-        collector.stopping.set()
-        await task
-        w.close()
+        for collector, task in running:
+            collector.stopping.set()
+            await task
+        node.close()
+
+
+async def scrape(collector: Collector, accept: str = "") -> str:
+    assert collector.metrics is not None
+    status, content_type, body = await asyncio.to_thread(
+        get, collector.metrics.port, "/metrics", "127.0.0.1", accept
+    )
+    assert status == 200
+    return body
+
+
+def own_labels(pod: str, pod_uid: str, container: str, uuid: str) -> frozenset[tuple[str, str]]:
+    return frozenset(
+        {
+            "namespace": "" if not pod else "team-a",
+            "pod": pod,
+            "pod_uid": pod_uid,
+            "container": container,
+            "device_index": "0",
+            "device_uuid": uuid,
+        }.items()
+    )
+
+
+async def test_own_names_by_default(serve: Serve) -> None:
+    collector = await serve()
+    body = await scrape(collector)
+    got = samples(body)
+    assert names(body) == {m.name for m in metrics.OWN}
+    main = own_labels("", POD, "main", GPU)
+    assert got[("hami_usage_container_memory_used_bytes", main)] == GiB + 320 * MiB
+    assert got[("hami_usage_container_memory_limit_bytes", main)] == 8 * GiB
+    assert got[("hami_usage_container_memory_context_bytes", main)] == 300 * MiB
+    assert got[("hami_usage_container_memory_module_bytes", main)] == 20 * MiB
+    assert got[("hami_usage_container_memory_buffer_bytes", main)] == GiB
+    assert got[("hami_usage_container_sm_utilization_ratio", main)] == pytest.approx(0.55)
+    assert got[("hami_usage_container_sm_limit_ratio", main)] == pytest.approx(0.40)
+    assert got[("hami_usage_container_processes", main)] == 1
+    assert got[("hami_usage_container_last_kernel_age_seconds", main)] > 0
+    mig = own_labels("", POD2, "mig", MIG)
+    assert got[("hami_usage_container_memory_used_bytes", mig)] == 2 * GiB
+    # No kernel launched yet: no age series rather than a made-up one.
+    assert ("hami_usage_container_last_kernel_age_seconds", mig) not in got
+    gpu = frozenset(
+        {"device_index": "0", "device_uuid": GPU, "device_name": "NVIDIA H100 80GB HBM3"}.items()
+    )
+    assert got[("hami_usage_gpu_memory_used_bytes", gpu)] == 5 * GiB
+    assert got[("hami_usage_gpu_memory_total_bytes", gpu)] == 80 * GiB
+    assert got[("hami_usage_gpu_utilization_ratio", gpu)] == pytest.approx(0.37)
+    assert got[("hami_usage_files", frozenset())] == 2
+    assert got[("hami_usage_events_dropped_total", frozenset())] == 0
+    assert got[("hami_usage_scans_total", frozenset())] >= 2
+    assert got[("hami_usage_build_info", frozenset({("version", VERSION)}))] == 1
+    # Nothing of HAMi's: a cluster that runs HAMi's monitor too counts nothing twice.
+    assert not any(n.startswith(("hami_vgpu", "hami_container", "hami_host")) for n in names(body))
+
+
+async def test_kubernetes_names_fill_namespace_and_pod(serve: Serve) -> None:
+    collector = await serve(metrics_hami=True)
+    collector.pod_names = lambda uid: ("team-a", "trainer-0") if uid == POD else None
+    got = samples(await scrape(collector))
+    own = own_labels("trainer-0", POD, "main", GPU)
+    assert got[("hami_usage_container_memory_used_bytes", own)] == GiB + 320 * MiB
+    hami = {
+        "namespace": "team-a",
+        "pod": "trainer-0",
+        "container": "main",
+        "vdevice_index": "0",
+        "device_uuid": GPU,
+        "zone": "vGPU",
+    }
+    assert got[("hami_vgpu_memory_used_bytes", frozenset(hami.items()))] == GiB + 320 * MiB
+
+
+async def test_hami_compatible_set(serve: Serve) -> None:
+    collector = await serve(metrics_hami=True)
+    body = await scrape(collector)
+    got = samples(body)
+    assert names(body) == {m.name for m in (*metrics.OWN, *metrics.HAMI)}
+    labels = {
+        "namespace": "",
+        "pod": POD,  # the UID while the pod's name is unknown
+        "container": "main",
+        "vdevice_index": "0",
+        "device_uuid": GPU,
+        "zone": "vGPU",
+    }
+    ctr = frozenset(labels.items())
+    assert got[("hami_vgpu_memory_used_bytes", ctr)] == GiB + 320 * MiB
+    assert got[("hami_container_device_memory_bytes", ctr)] == GiB + 320 * MiB
+    assert got[("hami_vgpu_memory_limit_bytes", ctr)] == 8 * GiB
+    assert got[("hami_vgpu_memory_context_bytes", ctr)] == 300 * MiB
+    assert got[("hami_vgpu_memory_module_bytes", ctr)] == 20 * MiB
+    assert got[("hami_vgpu_memory_buffer_bytes", ctr)] == GiB
+    assert got[("hami_container_device_utilization_ratio", ctr)] == 55  # HAMi's 0-100
+    assert got[("hami_container_last_kernel_elapsed_seconds", ctr)] > 0
+    host = {
+        "node": "n1",
+        "device_index": "0",
+        "device_uuid": GPU,
+        "device_type": "NVIDIA-NVIDIA H100 80GB HBM3",
+        "zone": "vGPU",
+    }
+    assert got[("hami_host_gpu_memory_used_bytes", frozenset(host.items()))] == 5 * GiB
+    assert got[("hami_host_gpu_utilization_ratio", frozenset(host.items()))] == 37
+    del host["node"]
+    key = ("hami_host_gpu_memory_controller_utilization_ratio", frozenset(host.items()))
+    assert got[key] == 12
+    mig = {
+        "namespace": "",
+        "pod": POD2,
+        "container": "mig",
+        "vdevice_index": "0",
+        "device_uuid": GPU_MIG,
+        "mig_uuid": MIG,
+        "profile": "3g.40gb",
+        "gpu_instance_id": "",
+        "compute_instance_id": "",
+        "zone": "vGPU",
+    }
+    assert got[("hami_mig_device_info", frozenset(mig.items()))] == 1
+    (build,) = [labels for name, labels in got if name == "hami_build_info"]
+    assert dict(build)["version"] == VERSION
+    assert set(dict(build)) == {
+        "build_date",
+        "compiler",
+        "go_version",
+        "platform",
+        "revision",
+        "version",
+    }
+
+
+async def test_hami_legacy_names(serve: Serve) -> None:
+    collector = await serve(metrics_hami_legacy=True)
+    body = await scrape(collector)
+    got = samples(body)
+    assert names(body) == {m.name for m in (*metrics.OWN, *metrics.LEGACY)}
+    legacy = {
+        "podnamespace": "",
+        "podname": POD,
+        "ctrname": "main",
+        "vdeviceid": "0",
+        "deviceuuid": GPU,
+        "zone": "vGPU",
+    }
+    assert got[("vGPU_device_memory_usage_in_bytes", frozenset(legacy.items()))] == GiB + 320 * MiB
+    assert got[("vGPU_device_memory_limit_in_bytes", frozenset(legacy.items()))] == 8 * GiB
+    assert got[("Device_utilization_desc_of_container", frozenset(legacy.items()))] == 55
+    breakdown = {
+        **legacy,
+        "context": str(300 * MiB),
+        "module": str(20 * MiB),
+        "data": str(GiB),
+        "offset": "0",
+    }
+    assert got[("Device_memory_desc_of_container", frozenset(breakdown.items()))] == GiB + 320 * MiB
+    host = {
+        "nodeid": "n1",
+        "deviceidx": "0",
+        "deviceuuid": GPU,
+        "devicetype": "NVIDIA-NVIDIA H100 80GB HBM3",
+        "zone": "vGPU",
+    }
+    assert got[("HostGPUMemoryUsage", frozenset(host.items()))] == 5 * GiB
+    assert got[("HostCoreUtilization", frozenset(host.items()))] == 37
+    mig = {
+        "podnamespace": "",
+        "podname": POD2,
+        "ctrname": "mig",
+        "vdeviceid": "0",
+        "deviceuuid": GPU_MIG,
+        "instanceid": "",
+        "zone": "vGPU",
+    }
+    assert got[("MigInfo", frozenset(mig.items()))] == 1
+
+
+async def test_promtool_accepts_own_and_hami_scrapes(serve: Serve) -> None:
+    # promtool reads the text format (its 2.42 mistakes OpenMetrics' counters for unnamed ones).
+    collector = await serve(metrics_hami=True)
+    result = await asyncio.to_thread(promtool_check_metrics, await scrape(collector))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout + result.stderr == ""
+
+
+async def test_promtool_on_legacy_names_finds_only_hamis_camel_case(serve: Serve) -> None:
+    """HAMi's legacy names break Prometheus' naming rules; the lint says so, and nothing else."""
+    collector = await serve(metrics_hami_legacy=True)
+    result = await asyncio.to_thread(promtool_check_metrics, await scrape(collector))
+    camel = " metric names should be written in 'snake_case' not 'camelCase'"
+    assert result.returncode == 3  # promtool's "lint found problems"
+    assert set(result.stderr.splitlines()) == {
+        name + camel
+        for name in (
+            "HostGPUMemoryUsage",
+            "HostCoreUtilization",
+            "MigInfo",
+            "vGPU_device_memory_usage_in_bytes",
+            "vGPU_device_memory_limit_in_bytes",
+        )
+    }
+
+
+async def test_content_negotiation(serve: Serve) -> None:
+    collector = await serve()
+    assert collector.metrics is not None
+    port = collector.metrics.port
+    _, plain, _ = await asyncio.to_thread(get, port, "/metrics")
+    assert plain.startswith("text/plain; version=0.0.4")
+    _, om, body = await asyncio.to_thread(
+        get, port, "/metrics", "127.0.0.1", "application/openmetrics-text; version=1.0.0"
+    )
+    assert om.startswith("application/openmetrics-text")
+    assert body.endswith("# EOF\n")
+
+
+async def test_health(serve: Serve) -> None:
+    collector = await serve()
+    assert collector.metrics is not None
+    port = collector.metrics.port
+    assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 200
+    assert (await asyncio.to_thread(get, port, "/nope"))[0] == 404
+    collector.metrics.stale_after_s = 0.0  # as if the scan loop had stopped
+    assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 503
+
+
+def _other_address() -> str | None:
+    """An address of this machine other than 127.0.0.1, if it has one."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("127.0.0.2", 9))
+            address: str = s.getsockname()[0]
+    except OSError:
+        return None
+    return address
+
+
+async def test_bind_address(serve: Serve) -> None:
+    collector = await serve(metrics_bind_address="127.0.0.2")
+    assert collector.metrics is not None
+    port = collector.metrics.port
+    assert (await asyncio.to_thread(get, port, "/healthz", "127.0.0.2"))[0] == 200
+    with pytest.raises(urllib.error.URLError):
+        await asyncio.to_thread(get, port, "/healthz", "127.0.0.1")

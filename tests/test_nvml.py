@@ -712,7 +712,8 @@ def test_pynvml_api_converts_everything() -> None:
     api = PynvmlApi()
     api._n = _fake_pynvml()
     assert api.device_count() == 2
-    assert api.device(0) == NvmlDevice(0, GPU0, H100, 80 * GiB, 3 * GiB, 37, False, ())
+    # The fake utilisation rates are gpu=37, memory=5.
+    assert api.device(0) == NvmlDevice(0, GPU0, H100, 80 * GiB, 3 * GiB, 37, False, (), 5)
     assert api.device(1) == NvmlDevice(
         1,
         GPU1,

@@ -147,6 +147,11 @@ class CrossCheck:
         self._drift: _Persisting[DriftKey] = _Persisting(confirm)
         self._unaccounted: _Persisting[ProcKey] = _Persisting(confirm)
 
+    @property
+    def devices(self) -> dict[int, NvmlDevice]:
+        """The last good reading of each GPU, by index (replaced whole, never mutated)."""
+        return self._devices
+
     def close(self) -> None:
         self.source.close()
 

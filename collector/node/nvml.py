@@ -65,6 +65,7 @@ class NvmlDevice:
     utilization_gpu: int | None  # percent; None where NVML does not support it (MIG mode)
     mig_mode: bool
     mig_devices: tuple[NvmlMigDevice, ...] = ()
+    utilization_memory: int | None = None  # memory controller busy, percent; None: unsupported
 
     def leaves(self) -> list[tuple[str, int, int | None]]:
         """(uuid, memory_used, utilization) of what processes run on: the MIG instances of a
@@ -154,7 +155,9 @@ class PynvmlApi:
         uuid = _str(n.nvmlDeviceGetUUID(h))
         self._handles[uuid] = h
         mem = n.nvmlDeviceGetMemoryInfo(h)
-        util = self._optional(lambda: int(n.nvmlDeviceGetUtilizationRates(h).gpu))
+        rates = self._optional(lambda: n.nvmlDeviceGetUtilizationRates(h))
+        util = None if rates is None else int(rates.gpu)
+        util_memory = None if rates is None else int(rates.memory)
         mode = self._optional(lambda: int(n.nvmlDeviceGetMigMode(h)[0]))
         mig_mode = mode == int(n.NVML_DEVICE_MIG_ENABLE)
         migs: list[NvmlMigDevice] = []
@@ -186,6 +189,7 @@ class PynvmlApi:
             util,
             mig_mode,
             tuple(migs),
+            util_memory,
         )
 
     def _running(self, h: Any, name: str) -> list[NvmlProcess]:

@@ -19,7 +19,7 @@ from ..events import Event, encode
 from ..transport.kafka import KafkaForwarder, ProducerSettings
 from ..transport.locallog import LocalLog
 from .crosscheck import CrossCheck, DriftTolerance
-from .metrics import Health, MetricsServer
+from .metrics import Health, MetricsServer, PodNames, Scrape
 from .nvml import NvmlSource
 from .scan import Scanner
 
@@ -43,6 +43,9 @@ class CollectSettings:
     nvml_timeout_s: float = 2.0
     drift: DriftTolerance = DriftTolerance()
     metrics_port: int | None = None  # Prometheus /metrics and /healthz; None: off
+    metrics_bind_address: str = "0.0.0.0"
+    metrics_hami: bool = False  # also serve HAMi's vGPU monitor's metric names
+    metrics_hami_legacy: bool = False  # and the names HAMi served before v2.5
 
 
 @dataclass
@@ -87,6 +90,8 @@ class Collector:
         self._last_scan = time.monotonic()
         self.stopping = asyncio.Event()
         self._key = settings.node.encode()
+        # pod UID -> (namespace, name) for /metrics; unknown until something resolves them.
+        self.pod_names: PodNames = lambda pod_uid: None
 
     def _append(self, events: list[Event]) -> None:
         for event in events:
@@ -100,6 +105,19 @@ class Collector:
 
     def spool_depth(self) -> int:
         return self.forwarder.depth() if self.forwarder else 0
+
+    def scrape(self) -> Scrape:
+        crosscheck = self.scanner.crosscheck
+        return Scrape(
+            published=self.scanner.published,
+            health=self.health(),
+            devices=crosscheck.devices if crosscheck is not None else {},
+            node=self.settings.node,
+            now_s=time.time(),
+            pod_names=self.pod_names,
+            hami=self.settings.metrics_hami,
+            legacy=self.settings.metrics_hami_legacy,
+        )
 
     def health(self) -> Health:
         st = self.scanner.stats
@@ -121,12 +139,17 @@ class Collector:
         if self.settings.metrics_port is not None:
             self.metrics = MetricsServer(
                 self.settings.metrics_port,
-                lambda: self.scanner.published,
+                self.scrape,
                 self.health,
                 stale_after_s=max(30.0, 5 * self.settings.interval_s),
+                host=self.settings.metrics_bind_address,
             )
             port = await self.metrics.start()
-            log.info("metrics on :%d/metrics, health on /healthz", port)
+            log.info(
+                "metrics on %s:%d/metrics, health on /healthz",
+                self.settings.metrics_bind_address,
+                port,
+            )
         scans = 0
         try:
             next_at = time.monotonic()

@@ -1,0 +1,18 @@
+"""The collector's optional Prometheus endpoint: `/metrics` (see `catalog`) and `/healthz`."""
+
+from .catalog import HAMI, LEGACY, OWN, Metric
+from .families import Health, PodNames, Published, Scrape, families
+from .server import MetricsServer
+
+__all__ = [
+    "HAMI",
+    "LEGACY",
+    "OWN",
+    "Health",
+    "Metric",
+    "MetricsServer",
+    "PodNames",
+    "Published",
+    "Scrape",
+    "families",
+]

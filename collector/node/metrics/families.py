@@ -1,0 +1,197 @@
+"""One scrape: the catalog's metrics computed from the last scan, as prometheus_client families."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ...events import ContainerState
+from ..nvml import NvmlDevice
+from . import catalog
+
+Published = list[tuple[ContainerState, int | None]]
+# pod UID -> (namespace, pod name), or None while unknown. The collector knows only the UID
+# (from the folder name); Kubernetes names come from whoever resolves them.
+PodNames = Callable[[str], tuple[str, str] | None]
+HAMI_ZONE = "vGPU"  # HAMi registers its monitor's metrics with this `zone` label
+
+
+def _no_names(pod_uid: str) -> None:
+    return None
+
+
+try:
+    VERSION = version("hami-usage")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    VERSION = "unknown"
+
+
+@dataclass(frozen=True)
+class Health:
+    scans: int
+    last_scan_ms: float
+    files: int
+    anomalies: int
+    events: int
+    appended: int
+    dropped: int
+    spool_depth: int
+    seconds_since_scan: float
+
+
+@dataclass(frozen=True)
+class ContainerDevice:
+    """One container on one of its devices: what the container-scope metrics read."""
+
+    used: int
+    limit: int
+    context: int
+    module: int
+    data: int
+    sm_util: int  # percent
+    sm_limit: int  # percent
+    last_kernel_age: int | None
+    processes: int
+
+
+@dataclass(frozen=True)
+class Scrape:
+    published: Published
+    health: Health
+    devices: Mapping[int, NvmlDevice]  # NVML's last good reading per GPU index
+    node: str
+    now_s: float
+    pod_names: PodNames = _no_names
+    hami: bool = False
+    legacy: bool = False
+
+
+def _container_series(
+    scrape: Scrape,
+) -> Iterator[tuple[catalog.Scope, dict[str, str], ContainerDevice]]:
+    migs = {m.uuid: (d, m) for d in scrape.devices.values() for m in d.mig_devices}
+    for state, last_kernel in scrape.published:
+        names = scrape.pod_names(state.pod_uid)
+        namespace, pod = names if names else ("", "")
+        for dev in state.devices:
+            rows = [r for r in state.rows if r.device == dev.index]
+            context = {
+                "namespace": namespace,
+                "pod": pod,
+                "pod_or_uid": pod or state.pod_uid,
+                "pod_uid": state.pod_uid,
+                "container": state.container,
+                "device_index": str(dev.index),
+                "device_uuid": dev.uuid,
+                "zone": HAMI_ZONE,
+            }
+            values = ContainerDevice(
+                used=sum(r.total for r in rows),
+                limit=dev.limit_bytes,
+                context=sum(r.context for r in rows),
+                module=sum(r.module for r in rows),
+                data=sum(r.data for r in rows),
+                sm_util=sum(r.sm_util for r in rows),
+                sm_limit=dev.sm_limit,
+                last_kernel_age=max(0, int(scrape.now_s) - last_kernel) if last_kernel else None,
+                processes=len({r.pid for r in rows}),
+            )
+            # HAMi's legacy memory metric spells the breakdown out in labels.
+            context["context_bytes"] = str(values.context)
+            context["module_bytes"] = str(values.module)
+            context["data_bytes"] = str(values.data)
+            context["offset_bytes"] = str(
+                values.used - values.context - values.module - values.data
+            )
+            yield "container", context, values
+            if dev.uuid in migs:
+                parent, mig = migs[dev.uuid]
+                yield (
+                    "mig",
+                    {
+                        **context,
+                        "parent_uuid": parent.uuid,
+                        # NVML's name of a MIG device ends in its profile: "... MIG 3g.40gb".
+                        "profile": mig.name.rpartition(" MIG ")[2] if " MIG " in mig.name else "",
+                        # Not known without HAMi's allocation annotation on the pod.
+                        "gpu_instance_id": "",
+                        "compute_instance_id": "",
+                    },
+                    values,
+                )
+
+
+def _gpu_series(scrape: Scrape) -> Iterator[tuple[dict[str, str], NvmlDevice]]:
+    for index, dev in sorted(scrape.devices.items()):
+        yield (
+            {
+                "node": scrape.node,
+                "device_index": str(index),
+                "device_uuid": dev.uuid,
+                "device_name": dev.name,
+                "device_type": f"NVIDIA-{dev.name}",  # as HAMi labels it
+                "zone": HAMI_ZONE,
+            },
+            dev,
+        )
+
+
+def _build_context() -> dict[str, str]:
+    return {
+        "version": VERSION,
+        "build_date": "unknown",
+        "revision": "unknown",
+        "compiler": platform.python_implementation().lower(),
+        "go_version": f"python{sys.version_info.major}.{sys.version_info.minor}",
+        "platform": f"{sys.platform}/{platform.machine()}",
+        "zone": HAMI_ZONE,
+    }
+
+
+def selected(scrape: Scrape) -> Sequence[catalog.Metric]:
+    return (
+        *catalog.OWN,
+        *(catalog.HAMI if scrape.hami else ()),
+        *(catalog.LEGACY if scrape.legacy else ()),
+    )
+
+
+def families(scrape: Scrape) -> list[Metric]:
+    metrics = selected(scrape)
+    out: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    for m in metrics:
+        if m.kind == "counter":
+            out[m.name] = CounterMetricFamily(m.name, m.help, labels=m.label_names)
+        else:
+            out[m.name] = GaugeMetricFamily(m.name, m.help, labels=m.label_names)
+
+    def add(scope: catalog.Scope, context: dict[str, str], source: object) -> None:
+        for m in metrics:
+            if m.scope == scope:
+                value = m.value(source)
+                if value is not None:
+                    out[m.name].add_metric(m.label_values(context), value)
+
+    for scope, context, values in _container_series(scrape):
+        add(scope, context, values)
+    for context, dev in _gpu_series(scrape):
+        add("gpu", context, dev)
+    add("health", {}, scrape.health)
+    add("build", _build_context(), None)
+    return list(out.values())
+
+
+class ScrapeCollector(Collector):
+    """A prometheus_client collector over the latest scrape state."""
+
+    def __init__(self, scrape: Callable[[], Scrape]) -> None:
+        self._scrape = scrape
+
+    def collect(self) -> Iterable[Metric]:
+        return families(self._scrape())

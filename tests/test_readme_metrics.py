@@ -1,0 +1,55 @@
+"""The README's metric tables are generated from the declarations (collector/node/metrics/catalog.py
+and collector/aggregate/otlp.py) and checked here, so they cannot drift.
+
+`.venv/bin/python tests/test_readme_metrics.py` rewrites them in README.md.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from collector.node import metrics
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _prometheus_rows(declared: Iterable[metrics.Metric]) -> list[str]:
+    rows = ["| name | type | unit | labels | meaning |", "|---|---|---|---|---|"]
+    for m in declared:
+        labels = ", ".join(f"`{label}`" for label in m.label_names) or "—"
+        rows.append(f"| `{m.name}` | {m.kind} | {m.unit or '—'} | {labels} | {m.help} |")
+    return rows
+
+
+def tables() -> dict[str, str]:
+    return {
+        "prometheus-own": "\n".join(_prometheus_rows(metrics.OWN)),
+        "prometheus-hami": "\n".join(_prometheus_rows(metrics.HAMI)),
+        "prometheus-legacy": "\n".join(_prometheus_rows(metrics.LEGACY)),
+    }
+
+
+def _block(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- {name} -->\n)(.*?)(\n<!-- /{name} -->)", re.S)
+
+
+def test_readme_metric_tables_match_the_declarations() -> None:
+    text = README.read_text()
+    for name, table in tables().items():
+        found = _block(name).search(text)
+        assert found, f"README.md has no <!-- {name} --> block"
+        assert found.group(2) == table, (
+            f"README.md's {name} table is out of date: run .venv/bin/python {__file__}"
+        )
+
+
+if __name__ == "__main__":
+    text = README.read_text()
+    for name, table in tables().items():
+        text, n = _block(name).subn(lambda m, t=table: m.group(1) + t + m.group(3), text)
+        if n != 1:
+            sys.exit(f"README.md: expected one <!-- {name} --> block, found {n}")
+    README.write_text(text)
