@@ -282,14 +282,14 @@ def test_local_log_service_pushes_otlp(tmp_path: Path) -> None:
         proc = hami(*cmd, "--otlp", receiver.endpoint)
         assert proc.returncode == 0, proc.stderr
         last = receiver.received[-1].metrics()
-    usage = last["hami.gpu.memory.usage"]
-    assert usage.unit == "By.s" and usage.is_monotonic
+    usage = last["hami.gpu.memory.usage_byte_seconds"]
+    assert usage.unit == "{By.s}" and usage.is_monotonic
     want: dict[tuple[str, str, str], float] = {}
     for r in expected:
         key = (r.pod_uid, r.container, r.device_uuid)
         want[key] = want.get(key, 0.0) + r.memory_byte_seconds
     got = {
-        (a["k8s.pod.uid"], a["k8s.container.name"], a["hw.gpu.uuid"]): v
+        (a["k8s.pod.uid"], a["k8s.container.name"], a["hw.id"]): v
         for attrs, v in usage.points.items()
         for a in [dict(attrs)]
     }

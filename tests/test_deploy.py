@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from otel_names import prometheus_name
 
 from collector import cli
 from collector.aggregate import otlp
@@ -662,47 +663,6 @@ def _mounted_files_any(spec: dict[str, Any], container: dict[str, Any]) -> set[s
 
 # --- Grafana: metric names as the Prometheus exporter writes them ---------------------------------
 
-# prometheus/otlptranslator (the OTel Collector's Prometheus exporter, default strategy
-# UnderscoreEscapingWithSuffixes): the unit words and "per" words.
-_UNIT_WORDS = {
-    "d": "days", "h": "hours", "min": "minutes", "s": "seconds", "ms": "milliseconds",
-    "us": "microseconds", "ns": "nanoseconds", "By": "bytes", "KiBy": "kibibytes",
-    "MiBy": "mebibytes", "GiBy": "gibibytes", "TiBy": "tibibytes", "KBy": "kilobytes",
-    "MBy": "megabytes", "GBy": "gigabytes", "TBy": "terabytes", "m": "meters", "V": "volts",
-    "A": "amperes", "J": "joules", "W": "watts", "g": "grams", "Cel": "celsius", "Hz": "hertz",
-    "1": "", "%": "percent",
-}  # fmt: skip
-_PER_WORDS = {"s": "second", "m": "minute", "h": "hour", "d": "day", "w": "week", "mo": "month",
-              "y": "year"}  # fmt: skip
-
-
-def _clean_unit(unit: str) -> str:
-    return re.sub(r"__+", "_", re.sub(r"[^a-zA-Z0-9:]", "_", unit)).removeprefix("_")
-
-
-def prometheus_name(name: str, unit: str, *, counter: bool) -> str:
-    """OTel metric name + unit -> Prometheus name: split on anything but [a-zA-Z0-9:], append the
-    unit (words for known units, other characters to '_') unless already a token, `_total` for
-    monotonic counters, `_ratio` for gauges of unit "1"."""
-    tokens = [t for t in re.split(r"[^a-zA-Z0-9:]+", name) if t]
-    main, _, per = (part.strip() for part in unit.partition("/"))
-    main_suffix = _clean_unit(_UNIT_WORDS.get(main, main)) if main and "{" not in main else ""
-    per_suffix = _clean_unit("per_" + _PER_WORDS.get(per, per)) if per and "{" not in per else ""
-    per_suffix = "" if per_suffix == "per_" else per_suffix.removesuffix("_")
-    if main_suffix in tokens:
-        main_suffix = ""
-    if per_suffix in tokens:
-        per_suffix = ""
-    if per_suffix:
-        main_suffix = main_suffix.removesuffix("_")
-    tokens += [s for s in (main_suffix, per_suffix) if s]
-    if counter:
-        tokens = [t for t in tokens if t != "total"] + ["total"]
-    elif unit == "1":
-        tokens = [t for t in tokens if t != "ratio"] + ["ratio"]
-    out = "_".join(tokens)
-    return "_" + out if out[:1].isdigit() else out
-
 
 def test_prometheus_name_follows_the_translator() -> None:
     # Examples from prometheus/otlptranslator's documentation and tests.
@@ -715,15 +675,16 @@ def test_prometheus_name_follows_the_translator() -> None:
     assert prometheus_name("system.io", "By/s", counter=False) == "system_io_bytes_per_second"
     assert prometheus_name("cpu.utilization", "1", counter=False) == "cpu_utilization_ratio"
     assert prometheus_name("packets", "{packet}", counter=True) == "packets_total"
-    # Ours: a non-UCUM product unit keeps its letters.
-    assert prometheus_name("hami.gpu.memory.usage", "By.s", counter=True) == (
-        "hami_gpu_memory_usage_By_s_total"
+    # A product unit the translator has no words for keeps its letters (promtool rejects the
+    # abbreviation): why ours are annotations.
+    assert prometheus_name("x.usage", "By.s", counter=True) == "x_usage_By_s_total"
+    assert prometheus_name("x.usage_byte_seconds", "{By.s}", counter=True) == (
+        "x_usage_byte_seconds_total"
     )
-    assert prometheus_name("hami.gpu.sm.usage", "%.s", counter=True) == "hami_gpu_sm_usage_s_total"
 
 
-EXPORTED = {prometheus_name(n, u, counter=True) for n, u, _, _ in otlp.COUNTERS} | {
-    prometheus_name(n, u, counter=False) for n, u, _, _ in otlp.GAUGES
+EXPORTED = {prometheus_name(c.name, c.unit, counter=True) for c in otlp.COUNTERS} | {
+    prometheus_name(g.name, g.unit, counter=False) for g in otlp.GAUGES
 }
 LABELS = {
     re.sub(r"[^a-zA-Z0-9_]", "_", getattr(otlp, a)) for a in otlp.__all__ if a.startswith("ATTR_")

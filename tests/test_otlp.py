@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -14,9 +15,10 @@ from collector.aggregate.otlp import COUNTERS, GAUGES, OtlpExporter, _metrics_ur
 from collector.aggregate.records import BillingRecord, Gauge
 
 CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE in OTLP
-COUNTER_NAMES = {c[0] for c in COUNTERS}
-GAUGE_NAMES = {g[0] for g in GAUGES}
-UNITS = {name: unit for name, unit, _, _ in (*COUNTERS, *GAUGES)}
+COUNTER_NAMES = {c.name for c in COUNTERS}
+GAUGE_NAMES = {g.name for g in GAUGES}
+UNITS = {i.name: i.unit for i in (*COUNTERS, *GAUGES)}
+SCALE = {i.name: i.scale for i in (*COUNTERS, *GAUGES)}
 GPU = "GPU-3f1c2a8e-1111-2222-3333-444455556666"
 
 
@@ -56,7 +58,8 @@ def counter_attrs(rec: BillingRecord) -> Attrs:
         "k8s.node.name": rec.node,
         "k8s.pod.uid": rec.pod_uid,
         "k8s.container.name": rec.container,
-        "hw.gpu.uuid": rec.device_uuid,
+        "hw.id": rec.device_uuid,
+        "hw.type": "gpu",
     }
     if rec.namespace:
         base["k8s.namespace.name"] = rec.namespace
@@ -71,19 +74,28 @@ def gauge_attrs(g: Gauge) -> Attrs:
             "k8s.node.name": g.node,
             "k8s.pod.uid": g.pod_uid,
             "k8s.container.name": g.container,
-            "hw.gpu.uuid": g.device_uuid,
+            "hw.id": g.device_uuid,
+            "hw.type": "gpu",
         }.items()
     )
 
 
+def test_no_metric_name_is_the_prefix_of_another() -> None:
+    names = [i.name for i in (*COUNTERS, *GAUGES)]
+    assert len(set(names)) == len(names)
+    for a in names:
+        for b in names:
+            assert not b.startswith(a + "."), (a, b)
+
+
 def expected_counters(records: list[BillingRecord]) -> dict[str, dict[Attrs, float]]:
     out: dict[str, dict[Attrs, float]] = {}
-    for name, _, field, _ in COUNTERS:
+    for c in COUNTERS:
         points: dict[Attrs, float] = {}
         for rec in records:
             key = counter_attrs(rec)
-            points[key] = points.get(key, 0.0) + getattr(rec, field)
-        out[name] = points
+            points[key] = points.get(key, 0.0) + getattr(rec, c.field) * c.scale
+        out[c.name] = points
     return out
 
 
@@ -143,11 +155,15 @@ def test_two_windows_counters_and_gauges(receiver: OtlpReceiver) -> None:
         assert second.metrics()[name].start_times == first.metrics()[name].start_times
 
     metrics = second.metrics()
-    for name, unit, field, _ in GAUGES:
-        m = metrics[name]
-        assert (m.kind, m.unit) == ("gauge", unit)
-        assert m.points == {gauge_attrs(g): getattr(g, field) for g in gauges}
-        assert all(isinstance(v, int) for v in m.points.values())
+    for gauge in GAUGES:
+        m = metrics[gauge.name]
+        assert (m.kind, m.unit) == ("gauge", gauge.unit)
+        assert m.points == pytest.approx(
+            {gauge_attrs(g): getattr(g, gauge.field) * gauge.scale for g in gauges}
+        )
+        # Bytes stay integers; the 0-1 ratio is a double.
+        kind = int if gauge.unit == "By" else float
+        assert all(isinstance(v, kind) for v in m.points.values())
 
     # the exact attribute sets
     trainer = frozenset(
@@ -155,7 +171,8 @@ def test_two_windows_counters_and_gauges(receiver: OtlpReceiver) -> None:
             ("k8s.node.name", "node-a"),
             ("k8s.pod.uid", "uid-trainer"),
             ("k8s.container.name", "trainer"),
-            ("hw.gpu.uuid", GPU),
+            ("hw.id", GPU),
+            ("hw.type", "gpu"),
             ("k8s.namespace.name", "ml"),
             ("k8s.pod.name", "train-0"),
         }
@@ -165,16 +182,20 @@ def test_two_windows_counters_and_gauges(receiver: OtlpReceiver) -> None:
             ("k8s.node.name", "node-a"),
             ("k8s.pod.uid", "uid-sidecar"),
             ("k8s.container.name", "sidecar"),
-            ("hw.gpu.uuid", GPU),
+            ("hw.id", GPU),
+            ("hw.type", "gpu"),
         }
     )
-    assert set(metrics["hami.gpu.memory.usage"].points) == {trainer, sidecar}
-    assert metrics["hami.gpu.memory.usage"].points[trainer] == pytest.approx(1.5e9 * 3)
-    assert metrics["hami.gpu.sm.usage"].points[sidecar] == pytest.approx(1234.5 * 0.75)
+    usage = metrics["hami.gpu.memory.usage_byte_seconds"].points
+    assert set(usage) == {trainer, sidecar}
+    assert usage[trainer] == pytest.approx(1.5e9 * 3)
+    # percent-seconds / 100 = seconds of a whole GPU's SMs
+    assert metrics["hami.gpu.sm.usage_time"].points[sidecar] == pytest.approx(12.345 * 0.75)
 
     for got in (first, second):
         resource = got.resource_attributes()
         assert resource["service.name"] == "hami-usage-aggregator"
+        assert resource["service.version"] == version("hami-usage")
         assert resource["service.instance.id"] == "aggregator-0"
     # The final flush in shutdown() sent the same totals once more.
     assert exporter.failed_exports == 0
@@ -196,11 +217,11 @@ def test_gauges_report_only_the_latest_list(receiver: OtlpReceiver) -> None:
     finally:
         exporter.shutdown()
     got = receiver.wait_for(2)
-    assert got[0].metrics()["hami.gpu.memory.used"].points == {
+    assert got[0].metrics()["hami.gpu.memory.usage"].points == {
         gauge_attrs(a): 10,
         gauge_attrs(b): 20,
     }
-    assert got[1].metrics()["hami.gpu.sm.utilization"].points == {gauge_attrs(a2): 60}
+    assert got[1].metrics()["hami.gpu.sm.utilization"].points == {gauge_attrs(a2): 0.6}
     # Nothing left to report: either no request or one without these metrics.
     for later in got[2:]:
         assert not set(later.metrics()) & GAUGE_NAMES
@@ -311,10 +332,11 @@ def test_invalid_values_are_not_added(receiver: OtlpReceiver) -> None:
     assert exporter.rejected_values == 3
     metrics = receiver.wait_for(1)[0].metrics()
     key = counter_attrs(bad)
-    assert metrics["hami.gpu.memory.usage"].points[key] == pytest.approx(1.5e9)  # window 2 only
-    assert metrics["hami.gpu.sm.usage"].points[key] == pytest.approx(1234.5)
-    assert metrics["hami.gpu.observed"].points[key] == pytest.approx(59.5)
-    assert metrics["hami.gpu.memory.limit"].points[key] == pytest.approx(8.0e9)
+    usage = metrics["hami.gpu.memory.usage_byte_seconds"].points
+    assert usage[key] == pytest.approx(1.5e9)  # window 2 only
+    assert metrics["hami.gpu.sm.usage_time"].points[key] == pytest.approx(12.345)
+    assert metrics["hami.gpu.observed_time"].points[key] == pytest.approx(59.5)
+    assert metrics["hami.gpu.memory.limit_byte_seconds"].points[key] == pytest.approx(8.0e9)
 
 
 def test_series_overflow_is_reported(
@@ -328,7 +350,7 @@ def test_series_overflow_is_reported(
         exporter.shutdown()
     assert exporter.overflowed
     assert "max_series" in caplog.text
-    points = receiver.wait_for(1)[0].metrics()["hami.gpu.observed"].points
+    points = receiver.wait_for(1)[0].metrics()["hami.gpu.observed_time"].points
     assert frozenset({("otel.metric.overflow", True)}) in points
     assert sum(points.values()) == pytest.approx(59.5 * 3)
 

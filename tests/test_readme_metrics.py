@@ -11,6 +11,9 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from otel_names import prometheus_name
+
+from collector.aggregate import otlp
 from collector.node import metrics
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -24,8 +27,21 @@ def _prometheus_rows(declared: Iterable[metrics.Metric]) -> list[str]:
     return rows
 
 
+def _otlp_rows() -> list[str]:
+    rows = [
+        "| OTLP name | instrument | unit | through the Collector's Prometheus exporter | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, instruments in (("Counter", otlp.COUNTERS), ("ObservableGauge", otlp.GAUGES)):
+        for i in instruments:
+            prom = prometheus_name(i.name, i.unit, counter=kind == "Counter")
+            rows.append(f"| `{i.name}` | {kind} | `{i.unit}` | `{prom}` | {i.description} |")
+    return rows
+
+
 def tables() -> dict[str, str]:
     return {
+        "otlp": "\n".join(_otlp_rows()),
         "prometheus-own": "\n".join(_prometheus_rows(metrics.OWN)),
         "prometheus-hami": "\n".join(_prometheus_rows(metrics.HAMI)),
         "prometheus-legacy": "\n".join(_prometheus_rows(metrics.LEGACY)),

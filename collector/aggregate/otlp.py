@@ -9,38 +9,22 @@ There is no background export thread: nothing is sent unless ``flush`` is called
 Metrics
 =======
 
-| Name                            | Instrument      | Unit | Meaning                             |
-|---------------------------------|-----------------|------|-------------------------------------|
-| `hami.gpu.memory.usage`         | Counter         | By.s | memory used (HAMi), byte-seconds    |
-| `hami.gpu.memory.limit`         | Counter         | By.s | memory limit, byte-seconds          |
-| `hami.gpu.memory.nvml`          | Counter         | By.s | memory per NVML, byte-seconds       |
-| `hami.gpu.sm.usage`             | Counter         | %.s  | SM utilisation, percent-seconds (1) |
-| `hami.gpu.sm.limit`             | Counter         | %.s  | SM limit (cores %), percent-seconds |
-| `hami.gpu.observed`             | Counter         | s    | seconds observed on the GPU         |
-| `hami.gpu.memory.used`          | ObservableGauge | By   | memory used now (HAMi)              |
-| `hami.gpu.memory.limit.current` | ObservableGauge | By   | memory limit now                    |
-| `hami.gpu.sm.utilization`       | ObservableGauge | %    | SM utilisation now, 0-100 per GPU   |
-| `hami.gpu.memory.nvml.used`     | ObservableGauge | By   | memory per NVML now                 |
+`COUNTERS` and `GAUGES` below declare every metric once (the README's table is generated from
+them). Names and units follow the OpenTelemetry semantic conventions where one applies (UCUM
+units, `1` for ratios, `hw.id` for the device) and are chosen so that the Prometheus translation
+(the OTel Collector's prometheus exporter) gives names `promtool check metrics` accepts: a time
+integral of a ratio is in seconds (`s`), and byte-seconds, which no translator maps to words, are
+annotated `{By.s}` with `byte_seconds` in the name. No name is the dotted prefix of another.
+Integrals are sums of the billing records; gauges are the values in effect now.
 
-(1) 100 %.s = all SMs of one GPU busy for one second. "memory" is GPU device memory of one
-container on one GPU; "HAMi" = HAMi's own accounting (shared-region cache), "NVML" = what NVML
-attributes to the container's processes; byte-seconds = bytes integrated over time.
+Attributes on every point: `k8s.node.name`, `k8s.pod.uid`, `k8s.container.name`, `hw.id` (the
+GPU's UUID, `GPU-...` or `MIG-...`), `hw.type=gpu`; on counters also `k8s.namespace.name`,
+`k8s.pod.name` when the record has them.
 
-Attributes, on every metric (`hw.gpu.uuid` is this project's choice: semconv has no GPU-UUID
-attribute, its `hw.gpu.*` metrics identify the device with `hw.id`):
-
-| Attribute            | Value                                                  |
-|----------------------|--------------------------------------------------------|
-| `k8s.node.name`      | node name                                              |
-| `k8s.pod.uid`        | pod UID                                                |
-| `k8s.container.name` | container name                                         |
-| `hw.gpu.uuid`        | NVIDIA GPU UUID (`GPU-...`)                            |
-| `k8s.namespace.name` | counters only, and only when the record's is non-empty |
-| `k8s.pod.name`       | counters only, and only when the record's is non-empty |
-
-Resource: `service.name=hami-usage-aggregator`, `service.instance.id` (the `service_instance`
-argument, else the host name, i.e. the pod name), the SDK's `telemetry.sdk.*`, and whatever
-`OTEL_RESOURCE_ATTRIBUTES` adds.
+Resource: `service.name=hami-usage-aggregator`, `service.version` (the package's),
+`service.instance.id` (the `service_instance` argument, else the host name, i.e. the pod name),
+the SDK's `telemetry.sdk.*`, and whatever `OTEL_RESOURCE_ATTRIBUTES` adds (the manifests add the
+aggregator's own `k8s.namespace.name`, `k8s.pod.name`, `k8s.statefulset.name`, `k8s.node.name`).
 
 Semantics
 =========
@@ -72,6 +56,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -102,12 +88,14 @@ from .records import BillingRecord, Gauge
 __all__ = [
     "ATTR_CONTAINER",
     "ATTR_GPU_UUID",
+    "ATTR_HW_TYPE",
     "ATTR_NAMESPACE",
     "ATTR_NODE",
     "ATTR_POD_NAME",
     "ATTR_POD_UID",
     "COUNTERS",
     "GAUGES",
+    "Instrument",
     "SERVICE_NAME",
     "Gauge",
     "OtlpExporter",
@@ -122,57 +110,86 @@ ATTR_POD_UID: Final = "k8s.pod.uid"
 ATTR_CONTAINER: Final = "k8s.container.name"
 ATTR_NAMESPACE: Final = "k8s.namespace.name"
 ATTR_POD_NAME: Final = "k8s.pod.name"
-ATTR_GPU_UUID: Final = "hw.gpu.uuid"
+ATTR_GPU_UUID: Final = "hw.id"
+ATTR_HW_TYPE: Final = "hw.type"
 
-# (metric name, unit, BillingRecord attribute, description)
-COUNTERS: Final[tuple[tuple[str, str, str, str], ...]] = (
-    (
-        "hami.gpu.memory.usage",
-        "By.s",
+
+@dataclass(frozen=True)
+class Instrument:
+    name: str
+    unit: str
+    field: str  # of BillingRecord (counters) or Gauge (gauges)
+    scale: float  # field value x scale = the metric's value in `unit`
+    description: str
+
+
+COUNTERS: Final[tuple[Instrument, ...]] = (
+    Instrument(
+        "hami.gpu.memory.usage_byte_seconds",
+        "{By.s}",
         "memory_byte_seconds",
+        1.0,
         "GPU memory used by the container (HAMi accounting), integrated over time",
     ),
-    (
-        "hami.gpu.memory.limit",
-        "By.s",
+    Instrument(
+        "hami.gpu.memory.limit_byte_seconds",
+        "{By.s}",
         "memory_limit_byte_seconds",
-        "GPU memory limit of the container, integrated over time",
+        1.0,
+        "GPU memory limit of the container while present, integrated over time",
     ),
-    (
-        "hami.gpu.memory.nvml",
-        "By.s",
+    Instrument(
+        "hami.gpu.memory.nvml_usage_byte_seconds",
+        "{By.s}",
         "nvml_memory_byte_seconds",
+        1.0,
         "GPU memory NVML attributes to the container's processes, integrated over time",
     ),
-    (
-        "hami.gpu.sm.usage",
-        "%.s",
+    Instrument(
+        "hami.gpu.sm.usage_time",
+        "s",
         "sm_percent_seconds",
-        "SM utilisation integrated over time; 100 = all SMs of one GPU for one second",
+        0.01,
+        "SM utilisation integrated over time: 1 s = all SMs of one GPU for one second",
     ),
-    (
-        "hami.gpu.sm.limit",
-        "%.s",
+    Instrument(
+        "hami.gpu.sm.limit_time",
+        "s",
         "sm_limit_percent_seconds",
-        "SM limit (core percentage) integrated over time; 100 = one whole GPU for one second",
+        0.01,
+        "SM limit integrated over time: 1 s = one whole GPU for one second",
     ),
-    (
-        "hami.gpu.observed",
+    Instrument(
+        "hami.gpu.observed_time",
         "s",
         "observed_seconds",
-        "Seconds the container was observed on the GPU",
+        1.0,
+        "time the container was observed on the GPU",
     ),
 )
 
-# (metric name, unit, Gauge attribute, description)
-GAUGES: Final[tuple[tuple[str, str, str, str], ...]] = (
-    ("hami.gpu.memory.used", "By", "memory_used_bytes", "GPU memory used now (HAMi accounting)"),
-    ("hami.gpu.memory.limit.current", "By", "memory_limit_bytes", "GPU memory limit now"),
-    ("hami.gpu.sm.utilization", "%", "sm_percent", "SM utilisation now, 0-100 per GPU"),
-    ("hami.gpu.memory.nvml.used", "By", "nvml_memory_bytes", "GPU memory NVML reports now"),
+GAUGES: Final[tuple[Instrument, ...]] = (
+    Instrument(
+        "hami.gpu.memory.usage", "By", "memory_used_bytes", 1.0, "GPU memory used now (HAMi)"
+    ),
+    Instrument("hami.gpu.memory.limit", "By", "memory_limit_bytes", 1.0, "GPU memory limit now"),
+    Instrument(
+        "hami.gpu.memory.nvml_usage",
+        "By",
+        "nvml_memory_bytes",
+        1.0,
+        "GPU memory NVML attributes to the container's processes now",
+    ),
+    Instrument(
+        "hami.gpu.sm.utilization",
+        "1",
+        "sm_percent",
+        0.01,
+        "SM utilisation now, 0-1 (1 = all SMs of one GPU)",
+    ),
 )
 
-_COUNTER_FIELDS: Final = tuple(c[2] for c in COUNTERS)
+_COUNTER_FIELDS: Final = tuple(c.field for c in COUNTERS)
 
 _CUMULATIVE: Final[dict[type, AggregationTemporality]] = {
     cls: AggregationTemporality.CUMULATIVE
@@ -193,6 +210,13 @@ _COMPRESSION: Final = {
 }
 
 _OVERFLOW_ATTRIBUTE: Final = "otel.metric.overflow"
+
+
+def _version() -> str:
+    try:
+        return version("hami-usage")
+    except PackageNotFoundError:  # a source tree that was not installed
+        return "unknown"
 
 
 def _metrics_url(endpoint: str) -> str:
@@ -307,20 +331,24 @@ class OtlpExporter:
         self._reader = _OnDemandReader(self._exporter, max_series)
         self._provider = MeterProvider(
             resource=Resource.create(
-                {"service.name": SERVICE_NAME, "service.instance.id": self.service_instance}
+                {
+                    "service.name": SERVICE_NAME,
+                    "service.version": _version(),
+                    "service.instance.id": self.service_instance,
+                }
             ),
             metric_readers=[self._reader],
             shutdown_on_exit=False,
         )
         meter = self._provider.get_meter("collector.aggregate.otlp")
         self._counters = tuple(
-            (field, meter.create_counter(name, unit=unit, description=desc))
-            for name, unit, field, desc in COUNTERS
+            (c, meter.create_counter(c.name, unit=c.unit, description=c.description))
+            for c in COUNTERS
         )
         self._gauges: tuple[Gauge, ...] = ()
-        for name, unit, field, desc in GAUGES:
+        for g in GAUGES:
             meter.create_observable_gauge(
-                name, callbacks=[self._gauge_callback(field)], unit=unit, description=desc
+                g.name, callbacks=[self._gauge_callback(g)], unit=g.unit, description=g.description
             )
 
         self._lock = threading.Lock()  # record_window bookkeeping
@@ -353,18 +381,18 @@ class OtlpExporter:
             _log.debug("record %s already exported, ignored", record_id)
             return
         attrs = _record_attributes(rec)
-        for field, counter in self._counters:
-            value = float(getattr(rec, field))
+        for instrument, counter in self._counters:
+            value = float(getattr(rec, instrument.field))
             if not math.isfinite(value) or value < 0.0:
                 self.rejected_values += 1
                 _log.warning(
                     "not exporting %s=%r of record %s (negative or not finite)",
-                    field,
+                    instrument.field,
                     value,
                     record_id,
                 )
             elif value > 0.0:
-                counter.add(value, attrs)
+                counter.add(value * instrument.scale, attrs)
         if record_id and self._dedupe_capacity:
             self._seen[record_id] = None
             while len(self._seen) > self._dedupe_capacity:
@@ -376,9 +404,19 @@ class OtlpExporter:
         """Replace the current gauge values (read at the next ``flush``)."""
         self._gauges = tuple(gauges)
 
-    def _gauge_callback(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _gauge_callback(
+        self, instrument: Instrument
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        field, scale = instrument.field, instrument.scale
+
         def callback(options: CallbackOptions) -> Iterable[Observation]:
-            return [Observation(int(getattr(g, field)), _gauge_attributes(g)) for g in self._gauges]
+            return [
+                Observation(
+                    int(getattr(g, field)) if scale == 1.0 else getattr(g, field) * scale,
+                    _gauge_attributes(g),
+                )
+                for g in self._gauges
+            ]
 
         return callback
 
@@ -442,6 +480,7 @@ def _record_attributes(rec: BillingRecord) -> dict[str, str]:
         ATTR_POD_UID: rec.pod_uid,
         ATTR_CONTAINER: rec.container,
         ATTR_GPU_UUID: rec.device_uuid,
+        ATTR_HW_TYPE: "gpu",
     }
     if rec.namespace:
         attrs[ATTR_NAMESPACE] = rec.namespace
@@ -456,4 +495,5 @@ def _gauge_attributes(g: Gauge) -> dict[str, str]:
         ATTR_POD_UID: g.pod_uid,
         ATTR_CONTAINER: g.container,
         ATTR_GPU_UUID: g.device_uuid,
+        ATTR_HW_TYPE: "gpu",
     }
