@@ -51,6 +51,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if path.is_dir():
             print(f"hami-usage inspect: {path}: is a directory, not a cache file", file=sys.stderr)
             return 1
+        if path.exists() and not path.is_file():
+            print(f"hami-usage inspect: {path}: not a regular file", file=sys.stderr)
+            return 1
         snap = read_snapshot(path)
     except FileNotFoundError:
         print(f"hami-usage inspect: {path}: no such file", file=sys.stderr)
@@ -128,6 +131,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     import socket
 
     from .node.crosscheck import DriftTolerance
+    from .node.discover import ListingLimits
     from .node.service import CollectSettings, collect
     from .transport.kafka import ProducerSettings
 
@@ -163,6 +167,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         metrics_bind_address=cfg.metrics_bind_address,
         metrics_hami=cfg.metrics_hami,
         metrics_hami_legacy=cfg.metrics_hami_legacy,
+        listing=ListingLimits(cfg.dir_max_entries, cfg.dir_relist, cfg.listing_budget),
     )
     _logging(logging.INFO)
     try:
@@ -323,6 +328,9 @@ COLLECT_FLAGS = [
     "metrics_bind_address",
     "metrics_hami",
     "metrics_hami_legacy",
+    "dir_max_entries",
+    "dir_relist",
+    "listing_budget",
 ]
 
 
@@ -411,6 +419,18 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="also serve the metric names HAMi's monitor used before it renamed them",
+    )
+    p.add_argument(
+        "--dir-max-entries",
+        type=int,
+        help="a container folder with more entries is listed at most once per --dir-relist "
+        "seconds, and reported (default 1000)",
+    )
+    p.add_argument("--dir-relist", type=float, help="see above (default 60 s)")
+    p.add_argument(
+        "--listing-budget",
+        type=float,
+        help="seconds of folder listing per scan; the rest waits for the next (default 0.2)",
     )
     p.set_defaults(func=_cmd_collect)
 

@@ -48,6 +48,11 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     metrics_bind_address: str = "0.0.0.0"
     metrics_hami: bool = False
     metrics_hami_legacy: bool = False
+    # Bounded directory work: a container directory with more entries than this is listed at
+    # most once per dir_relist seconds; listings stop for a scan once it spent listing_budget.
+    dir_max_entries: PositiveInt = 1000
+    dir_relist: Positive = 60.0
+    listing_budget: Positive = 0.2
 
 
 class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from collector.node.discover import CacheFile, Discovery, Skipped
+from collector.node.discover import SYMLINK, CacheFile, Discovery, ListingLimits, Skipped
 
 POD = "0f4e8a52-7d3c-4b8e-9a51-3c2d1e0f9a88"
+LARGE = "large_directory"
 OLD = time.time() - 3600  # an hour ago: older than discovery's "recently touched" window
 
 
@@ -93,7 +94,7 @@ def test_replaced_file_is_a_new_file(tmp_path: Path) -> None:
     assert again == entry(second, POD, "main")
 
 
-def test_name_without_underscore_and_escaping_symlinks_are_skipped_and_reported(
+def test_name_without_underscore_and_every_symlink_are_skipped_and_reported(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "root"
@@ -105,17 +106,15 @@ def test_name_without_underscore_and_escaping_symlinks_are_skipped_and_reported(
     (root / f"{POD}_link").symlink_to(outside / f"{POD}_escaped")
     (root / f"{POD}_other").mkdir()
     (root / f"{POD}_other" / "link.cache").symlink_to(outside_file)
-    # A symlink that stays inside the root is followed.
+    # Not even a symlink that stays inside the root is followed: it would bill the file twice.
     (root / f"{POD}_alias").symlink_to(root / f"{POD}_main")
 
     files, skipped = Discovery(root).scan()
-    assert files == [
-        CacheFile(POD, "alias", str(root / f"{POD}_alias" / "a.cache"), ok.stat().st_ino),
-        entry(ok, POD, "main"),
-    ]
+    assert files == [entry(ok, POD, "main")]
     assert sorted(skipped, key=lambda s: s.path) == [
-        Skipped(str(root / f"{POD}_link"), "symlink that leaves the root"),
-        Skipped(str(root / f"{POD}_other" / "link.cache"), "symlink that leaves the root"),
+        Skipped(str(root / f"{POD}_alias"), SYMLINK),
+        Skipped(str(root / f"{POD}_link"), SYMLINK),
+        Skipped(str(root / f"{POD}_other" / "link.cache"), SYMLINK),
         Skipped(str(root / "nounderscore"), "directory name has no '_' (podUID_container)"),
     ]
 
@@ -183,18 +182,21 @@ def test_directory_replaced_by_a_file_or_a_dangling_symlink_does_not_crash(
     a.parent.write_bytes(b"now a file")
     shutil.rmtree(b.parent)
     b.parent.symlink_to(tmp_path / "does-not-exist")
-    assert disc.scan() == ([entry(keep, POD, "keep")], [])
+    assert disc.scan() == ([entry(keep, POD, "keep")], [Skipped(str(b.parent), SYMLINK)])
 
 
 @pytest.fixture
 def failing_scandir(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
-    """Paths in the yielded set fail os.scandir with EACCES (what non-root sees for 000)."""
+    """Directories in the yielded set fail os.scandir with EACCES (what non-root sees for
+    000). Discovery lists descriptors, so the set's paths are matched by inode."""
     failing: set[str] = set()
     real: Callable[..., Any] = os.scandir
 
     def scandir(path: Any = ".") -> Any:
-        if os.fspath(path) in failing:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
+        ino = os.fstat(path).st_ino if isinstance(path, int) else os.stat(path).st_ino
+        for p in failing:
+            if os.path.exists(p) and os.stat(p).st_ino == ino:
+                raise PermissionError(13, "Permission denied", p)
         return real(path)
 
     monkeypatch.setattr(os, "scandir", scandir)
@@ -215,23 +217,63 @@ def test_unlistable_directory_is_reported_and_retried(
     assert disc.scan() == ([entry(p, POD, "main")], [])
 
 
-def test_idle_node_lists_only_the_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_idle_node_lists_only_the_root(tmp_path: Path) -> None:
     dirs = [touch_cache(tmp_path / f"{POD}_c{i}").parent for i in range(5)]
     backdate(*dirs)
     disc = Discovery(tmp_path)
     assert len(disc.scan()[0]) == 5
-    calls: list[str] = []
-    real: Callable[..., Any] = os.scandir
-
-    def scandir(path: Any = ".") -> Any:
-        calls.append(os.fspath(path))
-        return real(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
+    assert disc.stats.listings == 5
     assert len(disc.scan()[0]) == 5
-    assert calls == [str(tmp_path)]
+    assert disc.stats.listings == 5
     # Touching one directory lists that one again.
     touch_cache(dirs[2], "b.cache")
-    calls.clear()
     assert len(disc.scan()[0]) == 6
-    assert calls == [str(tmp_path), str(dirs[2])]
+    assert disc.stats.listings == 6
+
+
+def test_a_huge_directory_is_listed_at_most_once_per_relist_and_reported(tmp_path: Path) -> None:
+    big = tmp_path / f"{POD}_big"
+    first = touch_cache(big, "a.cache")
+    for i in range(300):
+        (big / f"junk{i}").write_bytes(b"")
+    small = touch_cache(tmp_path / f"{POD}_small")
+    limits = ListingLimits(max_entries=100, relist_s=0.5, budget_s=10.0)
+    disc = Discovery(tmp_path, limits)
+    report = Skipped(str(big), "more than 100 entries: listed at most once every 0.5 s", LARGE)
+    assert disc.scan() == ([entry(first, POD, "big"), entry(small, POD, "small")], [report])
+    assert (disc.stats.listings, disc.stats.large) == (2, 1)
+    # Touched on every scan (and so "recent"): the small one is listed each time, the big one
+    # is served from its last listing until relist_s has passed.
+    second = touch_cache(big, "b.cache")
+    for _ in range(3):
+        touch_cache(small.parent, "x.cache")
+        assert disc.scan()[1] == [report]
+    assert disc.stats.listings == 2 + 3
+    assert [f.path for f in disc.scan()[0]] == [str(first), str(small.parent / "a.cache"),
+                                                 str(small.parent / "x.cache")]  # fmt: skip
+    time.sleep(0.6)
+    files, _ = disc.scan()
+    assert entry(second, POD, "big") in files
+    # Back under the bound: an ordinary directory again, no longer reported.
+    for i in range(300):
+        (big / f"junk{i}").unlink()
+    time.sleep(0.6)
+    assert disc.scan()[1] == []
+    assert disc.stats.large == 0
+
+
+def test_listing_time_per_scan_is_bounded_and_no_directory_starves(tmp_path: Path) -> None:
+    dirs = [touch_cache(tmp_path / f"{POD}_c{i}").parent for i in range(5)]
+    disc = Discovery(tmp_path, ListingLimits(budget_s=1e-9))
+    assert len(disc.scan()[0]) == 5  # a directory never listed is always listed
+    for d in dirs:
+        touch_cache(d, "b.cache")
+    # Every directory needs listing again; the budget allows one per scan (the first listing
+    # always runs), the rest keep their last listing and go first next time.
+    counts = []
+    for _ in range(5):
+        before = disc.stats.listings
+        counts.append(len(disc.scan()[0]))
+        assert disc.stats.listings == before + 1
+    assert counts == [6, 7, 8, 9, 10]
+    assert disc.stats.deferred == 4 + 4 + 4 + 4 + 4

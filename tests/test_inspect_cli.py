@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -100,19 +99,17 @@ def test_symlink_loop(tmp_path: Path) -> None:
     assert "cannot open" in line
 
 
-@pytest.mark.parametrize("kind", ["fifo", "char-device"])
-def test_not_a_regular_file_still_prints_the_object(tmp_path: Path, kind: str) -> None:
-    """A FIFO named *.cache must not hang inspect; it reports `unreadable` and exits 0."""
+@pytest.mark.parametrize("kind", ["fifo", "/dev/null", "/dev/zero"])
+def test_not_a_regular_file_exits_1_with_one_line(tmp_path: Path, kind: str) -> None:
+    """A FIFO named *.cache must not hang inspect, nor /dev/zero read forever: exit 1."""
     if kind == "fifo":
         path = tmp_path / "fifo.cache"
         os.mkfifo(path)
     else:
-        path = Path("/dev/null")
+        path = Path(kind)
     proc = cli("inspect", "--json", str(path))
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
-    assert (doc["layout"], doc["initialized"], doc["procs"]) == (None, False, [])
-    assert [a["kind"] for a in doc["anomalies"]] == ["unreadable"]
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == f"hami-usage inspect: {path}: not a regular file\n"
 
 
 @pytest.mark.parametrize(

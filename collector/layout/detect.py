@@ -101,7 +101,8 @@ def _detect_v11(size: int, header: bytes, read_at: ReadAt) -> tuple[Layout | Non
 def detect(size: int, header: bytes, read_at: ReadAt) -> Detection:
     magic = _I32.unpack_from(header, 0)[0] if len(header) >= 4 else None
     if size < 12 or len(header) < 12 or magic != MAGIC:
-        detail = f"initialized_flag is {magic}, not {MAGIC}" if magic is not None else "empty"
+        # The flag's value is not quoted: it could be the first bytes of anything.
+        detail = f"initialized_flag is not {MAGIC}" if magic is not None else "empty"
         return Detection(None, False, None, None, [Anomaly("not_initialized", detail)])
     major = _u32(header, 4)
     minor = _u32(header, 8)
@@ -117,5 +118,11 @@ def detect(size: int, header: bytes, read_at: ReadAt) -> Detection:
     if major == 1 and minor is not None and minor > 2 and size >= V12.region_size:
         detail = f"version 1.{minor} is newer than 1.2; read with the v1.2 layout"
         return Detection(V12, True, major, minor, [Anomaly("future_minor", detail)])
-    detail = f"version {major}.{minor} is not a known layout"
+    # Versions are quoted only when they could be one (a detail quotes nothing else).
+    plausible = major is not None and minor is not None and major < 256 and minor < 256
+    detail = (
+        f"version {major}.{minor} is not a known layout"
+        if plausible
+        else "the version fields hold no known version"
+    )
     return Detection(None, True, major, minor, [Anomaly("unknown_version", detail)])

@@ -155,6 +155,21 @@ def _uuid(raw: bytes) -> tuple[str, bool]:
     return shown, valid
 
 
+def _uuid_fault(raw: bytes) -> str:
+    """What is wrong with a stored UUID, without quoting it: a detail never carries bytes a
+    valid cache file could not hold (they could be anyone's)."""
+    end = raw.find(b"\0")
+    text = raw if end < 0 else raw[:end]
+    if end < 0:
+        return f"no NUL in its {len(raw)} bytes"
+    if text[:4] not in (b"GPU-", b"MIG-"):
+        return f"{len(text)} bytes that do not begin with GPU- or MIG-"
+    bad = next((i for i, b in enumerate(text) if not 0x21 <= b <= 0x7E), None)
+    if bad is None:
+        return "nothing after the GPU-/MIG- prefix"
+    return f"{len(text)} bytes, byte {bad} is not printable ASCII"
+
+
 def _read_slots(
     f: _File, layout: Layout, count: int, retries: int, anomalies: list[Anomaly]
 ) -> list[tuple[int, bytes]]:
@@ -332,9 +347,7 @@ def snapshot_fd(fd: int, path: str, *, retries: int = DEFAULT_RETRIES) -> Snapsh
         raw = header[off : off + UUID_LEN]
         uuid, valid = _uuid(raw)
         if not valid:
-            # The stored bytes up to the NUL, as a bytes literal: exact and printable.
-            stored = raw.split(b"\0", 1)[0]
-            detail = f"uuid {stored!r} on device {d}"
+            detail = f"uuid on device {d} is not an NVML UUID: {_uuid_fault(raw)}"
             anomalies.append(Anomaly("invalid_uuid", detail, device=d))
         devices.append(DeviceInfo(d, uuid, limits[d], sm_limits[d]))
 

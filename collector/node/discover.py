@@ -1,15 +1,33 @@
-"""Find `<root>/<podUID>_<container>/*.cache` files.
+"""Find `<root>/<podUID>_<container>/*.cache` files, and open them without leaving the root.
 
 A container directory is listed again only when its mtime changes, so an idle node costs one
-`scandir` of the root plus one `stat` per directory each interval.
+listing of the root plus one `stat` per directory each interval.
+
+Nothing under the root is trusted: tenants write the container directories. No symlink is ever
+followed below the root: each container directory is opened `O_DIRECTORY|O_NOFOLLOW` relative to
+a descriptor of the root, and each file `O_NOFOLLOW` relative to that directory's descriptor, so
+a name swapped for a symlink between listing and opening (even with the directory's mtime put
+back) fails to open instead of reading what it points at. A file with more than one hard link
+could be a link to a file elsewhere on the same filesystem: it is refused too.
+
+Listing is bounded (see `ListingLimits`): a directory with more entries than a cache directory
+ever holds is listed at most once per `relist_s`, and listings stop for the rest of a scan once
+the scan has spent `budget_s` on them (the directories left wait for the next scan).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO named *.cache must not hang the open; O_NOCTTY: nor a tty become ours.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+SYMLINK = "a symlink: never followed below the root"
 
 
 @dataclass(frozen=True)
@@ -22,8 +40,27 @@ class CacheFile:
 
 @dataclass(frozen=True)
 class Skipped:
+    """A path reported rather than read (or, `large_directory`, read only now and then)."""
+
     path: str
     reason: str
+    kind: str = "skipped_path"
+
+
+@dataclass(frozen=True)
+class ListingLimits:
+    """Bounds on directory work per scan (see the module docstring)."""
+
+    max_entries: int = 1000  # a HAMi container directory holds one or two files
+    relist_s: float = 60.0
+    budget_s: float = 0.2
+
+
+@dataclass
+class ListingStats:
+    listings: int = 0
+    deferred: int = 0  # listings put off to a later scan by the time budget
+    large: int = 0  # directories over max_entries right now
 
 
 @dataclass
@@ -31,78 +68,183 @@ class _Dir:
     mtime_ns: int
     files: list[CacheFile] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
-
-
-def _inside(root_real: str, path: str) -> bool:
-    real = os.path.realpath(path)
-    return real == root_real or real.startswith(root_real + os.sep)
+    entries: int = 0
+    listed_at: float = 0.0  # time.monotonic() of the listing
 
 
 class Discovery:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, limits: ListingLimits | None = None) -> None:
         self.root = root
+        self.limits = limits or ListingLimits()
+        self.stats = ListingStats()
         self._dirs: dict[str, _Dir] = {}
+        self._root_fd: int | None = None
+
+    def close(self) -> None:
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
 
     def scan(self) -> tuple[list[CacheFile], list[Skipped]]:
-        root_real = os.path.realpath(self.root)
-        files: list[CacheFile] = []
-        skipped: list[Skipped] = []
-        seen: dict[str, _Dir] = {}
+        # The root itself is the operator's setting (it may be a symlink, e.g. a host path);
+        # everything below it is the tenants'. Reopened each scan in case it was remounted.
+        self.close()
         try:
-            entries = sorted(os.scandir(self.root), key=lambda e: e.name)  # stable cid order
+            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            # scandir(fd) lists a dup of the descriptor: ours keeps its offset for openat.
+            entries = sorted(os.scandir(self._root_fd), key=lambda e: e.name)  # stable cid order
         except OSError as exc:
             return [], [Skipped(str(self.root), f"cannot list the root: {exc.strerror}")]
+        skipped: list[Skipped] = []
+        dirs: list[tuple[str, str, int]] = []  # (name, path, mtime_ns) of container directories
         for entry in entries:
+            path = os.path.join(self.root, entry.name)
             try:
-                is_dir = entry.is_dir(follow_symlinks=True)
+                st = os.stat(entry.name, dir_fd=self._root_fd, follow_symlinks=False)
             except OSError:
-                is_dir = False
-            if not is_dir:
+                continue  # vanished between the listing and the stat
+            if stat.S_ISLNK(st.st_mode):
+                skipped.append(Skipped(path, SYMLINK))
+            elif not stat.S_ISDIR(st.st_mode):
                 continue
-            if "_" not in entry.name:
-                skipped.append(Skipped(entry.path, "directory name has no '_' (podUID_container)"))
-                continue
-            if entry.is_symlink() and not _inside(root_real, entry.path):
-                skipped.append(Skipped(entry.path, "symlink that leaves the root"))
-                continue
-            try:
-                mtime_ns = entry.stat(follow_symlinks=True).st_mtime_ns
-            except OSError:
-                continue  # vanished between scandir and stat
-            cached = self._dirs.get(entry.path)
-            # A change within the filesystem's timestamp granularity can leave mtime as it
-            # was, so a directory touched in the last two seconds is listed again anyway.
-            recent = time.time_ns() - mtime_ns < 2_000_000_000
-            if cached is None or cached.mtime_ns != mtime_ns or recent:
-                cached = self._list(entry.path, entry.name, mtime_ns, root_real)
-            seen[entry.path] = cached
-            files += cached.files
-            skipped += cached.skipped
-        self._dirs = seen
+            elif "_" not in entry.name:
+                skipped.append(Skipped(path, "directory name has no '_' (podUID_container)"))
+            else:
+                dirs.append((entry.name, path, st.st_mtime_ns))
+        listed = self._relist(dirs)
+        files: list[CacheFile] = []
+        large = 0
+        for name, path, _ in dirs:
+            d = listed[name]
+            if d.entries > self.limits.max_entries:
+                large += 1
+                detail = (
+                    f"more than {self.limits.max_entries} entries: "
+                    f"listed at most once every {self.limits.relist_s:g} s"
+                )
+                skipped.append(Skipped(path, detail, "large_directory"))
+            files += d.files
+            skipped += d.skipped
+        self._dirs = listed
+        self.stats.large = large
         return files, skipped
 
-    @staticmethod
-    def _list(path: str, name: str, mtime_ns: int, root_real: str) -> _Dir:
-        pod_uid, container = name.split("_", 1)  # split on the first '_' only
-        d = _Dir(mtime_ns)
-        try:
-            entries = sorted(os.scandir(path), key=lambda e: e.name)
-        except OSError as exc:
-            d.skipped.append(Skipped(path, f"cannot list: {exc.strerror}"))
-            d.mtime_ns = -1  # never a cache hit: list it again next scan
-            return d
-        for entry in entries:
-            if not entry.name.endswith(".cache"):
+    def _relist(self, dirs: list[tuple[str, str, int]]) -> dict[str, _Dir]:
+        """The listing of each directory: the cached one, or a new one where it is due and the
+        scan's budget allows. The longest-unlisted go first, so none waits forever."""
+        now = time.monotonic()
+        out: dict[str, _Dir] = {}
+        due: list[tuple[float, str, str, int]] = []
+        for name, path, mtime_ns in dirs:
+            cached = self._dirs.get(name)
+            if cached is not None:
+                out[name] = cached
+            if self._due(cached, mtime_ns, now):
+                due.append((-1.0 if cached is None else cached.listed_at, name, path, mtime_ns))
+        spent = 0.0
+        for _, name, path, mtime_ns in sorted(due):
+            if name in out and spent >= self.limits.budget_s:
+                self.stats.deferred += 1  # keep the last listing; list it next scan
                 continue
+            started = time.perf_counter()
+            out[name] = self._list(name, path, mtime_ns, now)
+            spent += time.perf_counter() - started
+        return out
+
+    def _due(self, cached: _Dir | None, mtime_ns: int, now: float) -> bool:
+        if cached is None:
+            return True
+        if cached.entries > self.limits.max_entries:
+            return now - cached.listed_at >= self.limits.relist_s
+        # A change within the filesystem's timestamp granularity can leave mtime as it was,
+        # so a directory touched in the last two seconds is listed again anyway.
+        recent = time.time_ns() - mtime_ns < 2_000_000_000
+        return cached.mtime_ns != mtime_ns or recent
+
+    def _list(self, name: str, path: str, mtime_ns: int, now: float) -> _Dir:
+        pod_uid, container = name.split("_", 1)  # split on the first '_' only
+        self.stats.listings += 1
+        d = _Dir(mtime_ns, listed_at=now)
+        try:
+            fd = self._open_dir(name)
+        except FileNotFoundError:
+            d.mtime_ns = -1  # gone since the stat: nothing to list
+            return d
+        except OSError as exc:
+            return _unlisted(d, path, exc)
+        try:
+            found = []
+            with os.scandir(fd) as it:
+                for entry in it:
+                    d.entries += 1
+                    if entry.name.endswith(".cache"):
+                        found.append(entry)
+        except OSError as exc:
+            return _unlisted(d, path, exc)
+        finally:
+            os.close(fd)
+        for entry in sorted(found, key=lambda e: e.name):
+            file_path = os.path.join(path, entry.name)
             try:
-                if entry.is_symlink() and not _inside(root_real, entry.path):
-                    d.skipped.append(Skipped(entry.path, "symlink that leaves the root"))
+                # d_type from the listing, else an lstat relative to the directory's fd.
+                if entry.is_symlink():
+                    d.skipped.append(Skipped(file_path, SYMLINK))
                     continue
-                if not entry.is_file(follow_symlinks=True):
-                    d.skipped.append(Skipped(entry.path, "not a regular file"))
+                if not entry.is_file(follow_symlinks=False):
+                    d.skipped.append(Skipped(file_path, "not a regular file"))
                     continue
-                ino = entry.stat(follow_symlinks=True).st_ino
+                ino = entry.inode()
             except OSError:
                 continue
-            d.files.append(CacheFile(pod_uid, container, entry.path, ino))
+            d.files.append(CacheFile(pod_uid, container, file_path, ino))
         return d
+
+    def open(self, f: CacheFile) -> int | Skipped:
+        """A read-only descriptor of `f`, opened beneath the root through no symlink, or why it
+        is refused. Raises FileNotFoundError when it is gone and OSError when it cannot be
+        opened for another reason."""
+        if self._root_fd is None:
+            raise FileNotFoundError(2, "the root is not open", f.path)
+        directory, name = os.path.split(f.path)
+        try:
+            dir_fd = self._open_dir(os.path.basename(directory))
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return Skipped(directory, SYMLINK)
+            raise
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                return Skipped(f.path, SYMLINK)
+            raise
+        finally:
+            os.close(dir_fd)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            os.close(fd)
+            return Skipped(f.path, f"a hard-linked file ({st.st_nlink} links): not read")
+        return fd
+
+    def _open_dir(self, name: str) -> int:
+        """A container directory's descriptor. Raises OSError with ELOOP for a symlink and
+        FileNotFoundError for something that is no longer a directory."""
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=self._root_fd)
+        except NotADirectoryError:
+            # O_DIRECTORY|O_NOFOLLOW answers ENOTDIR for a symlink as for a file: tell them apart.
+            st = os.stat(name, dir_fd=self._root_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), name) from None
+            raise FileNotFoundError(errno.ENOENT, "no longer a directory", name) from None
+
+
+def _unlisted(d: _Dir, path: str, exc: OSError) -> _Dir:
+    reason = SYMLINK if exc.errno == errno.ELOOP else f"cannot list: {exc.strerror}"
+    d.skipped.append(Skipped(path, reason))
+    d.mtime_ns = -1  # never a cache hit: list it again next scan
+    return d

@@ -6,6 +6,7 @@ stays free for the transport.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ..events import SCHEMA_VERSION, ContainerGone, ContainerState, Event, Heartbeat, LayoutAnomaly
-from ..layout.reader import read_snapshot
-from ..layout.snapshot import Anomaly, empty_snapshot
+from ..layout.reader import snapshot_fd
+from ..layout.snapshot import Anomaly, Snapshot, empty_snapshot
 from .crosscheck import CrossCheck
 from .diff import FileState, diff
+from .discover import CacheFile, Discovery, ListingLimits, Skipped
 
 HEARTBEAT_PART = 64  # containers per heartbeat message, to keep messages well under 1 MB
 
@@ -39,10 +41,9 @@ class Scanner:
         host_proc: str | None = None,
         inc: int | None = None,
         crosscheck: CrossCheck | None = None,
+        listing: ListingLimits | None = None,
     ) -> None:
-        from .discover import Discovery
-
-        self.discovery = Discovery(root)
+        self.discovery = Discovery(root, listing)
         self.heartbeat_ms = int(heartbeat_s * 1000)
         self.host_proc = host_proc
         self.crosscheck = crosscheck
@@ -51,7 +52,7 @@ class Scanner:
         self.stats = ScanStats()
         self.published: list[tuple[ContainerState, int | None]] = []
         self._files: dict[tuple[str, int], FileState] = {}
-        self._skipped: set[tuple[str, str]] = set()
+        self._skipped: set[tuple[str, str, str]] = set()
         self._next_cid = 0
         self._last_heartbeat_ms: int | None = None
         self._ts = 0
@@ -68,29 +69,24 @@ class Scanner:
         self._ts = int(time.time() * 1000) if now_ms is None else now_ms
         events: list[Event] = []
         found, skipped = self.discovery.scan()
-
-        skipped_now = {(s.path, s.reason) for s in skipped}
-        for path, reason in sorted(skipped_now - self._skipped):
-            events.append(
-                self._stamp(LayoutAnomaly, cid=-1, path=path, anomaly="skipped_path", detail=reason)
-            )
-        self._skipped = skipped_now
+        skipped_now: set[tuple[str, str, str]] = set()
+        self._report_skipped(skipped, skipped_now, events)
 
         present: dict[tuple[str, int], FileState] = {}
+        refused: list[Skipped] = []
         for f in found:
             key = (f.path, f.ino)
             st = self._files.get(key)
             if st is None:
                 st = FileState(self._next_cid, f.pod_uid, f.container, f.path)
                 self._next_cid += 1
-            try:
-                snap = read_snapshot(f.path)
-            except FileNotFoundError:
-                continue  # vanished since listing: gone (ContainerGone below if it had appeared)
-            except OSError as exc:
-                snap = empty_snapshot(f.path, 0, [Anomaly("unreadable", f"open: {exc.strerror}")])
+            snap = self._read(f, refused)
+            if snap is None:
+                continue  # vanished or refused: gone (ContainerGone below if it had appeared)
             events += diff(st, snap, self._stamp, host_proc=self.host_proc)
             present[key] = st
+        self._report_skipped(refused, skipped_now, events)
+        self._skipped = skipped_now
         for key in sorted(self._files.keys() - present.keys()):
             gone = self._files[key]
             if gone.appeared:
@@ -118,6 +114,34 @@ class Scanner:
             if st.appeared and not st.unobserved
         ]
         return events
+
+    def _report_skipped(
+        self, skipped: list[Skipped], now: set[tuple[str, str, str]], events: list[Event]
+    ) -> None:
+        """Each skipped path once while it persists, again when it comes back."""
+        new = {(s.path, s.reason, s.kind) for s in skipped} - now
+        now |= new
+        for path, reason, kind in sorted(new - self._skipped):
+            events.append(
+                self._stamp(LayoutAnomaly, cid=-1, path=path, anomaly=kind, detail=reason)
+            )
+
+    def _read(self, f: CacheFile, skipped: list[Skipped]) -> Snapshot | None:
+        """A snapshot of `f` opened beneath the root; None when it is gone or refused (the
+        reason is added to `skipped`)."""
+        try:
+            fd = self.discovery.open(f)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return empty_snapshot(f.path, 0, [Anomaly("unreadable", f"open: {exc.strerror}")])
+        if isinstance(fd, Skipped):
+            skipped.append(fd)
+            return None
+        try:
+            return snapshot_fd(fd, f.path)
+        finally:
+            os.close(fd)
 
     def _heartbeat(self, scan_ms: float, spool_depth: int, dropped: int) -> list[Event]:
         states = [

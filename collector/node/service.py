@@ -19,6 +19,7 @@ from ..events import Event, encode
 from ..transport.kafka import KafkaForwarder, ProducerSettings
 from ..transport.locallog import LocalLog
 from .crosscheck import CrossCheck, DriftTolerance
+from .discover import ListingLimits
 from .metrics import Health, MetricsServer, PodNames, Scrape
 from .nvml import NvmlSource
 from .scan import Scanner
@@ -46,6 +47,7 @@ class CollectSettings:
     metrics_bind_address: str = "0.0.0.0"
     metrics_hami: bool = False  # also serve HAMi's vGPU monitor's metric names
     metrics_hami_legacy: bool = False  # and the names HAMi served before v2.5
+    listing: ListingLimits = ListingLimits()
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Collector:
             heartbeat_s=settings.heartbeat_s,
             host_proc=settings.host_proc,
             crosscheck=crosscheck,
+            listing=settings.listing,
         )
         self.log = LocalLog(
             settings.log_dir, max_bytes=settings.log_max_bytes, fsync=settings.fsync
@@ -174,6 +177,7 @@ class Collector:
                 await self._stop_forwarder(forward, self.forwarder)
             if self.scanner.crosscheck is not None:
                 self.scanner.crosscheck.close()
+            self.scanner.discovery.close()
             self.log.flush()
             self.log.close()
             log.info(
