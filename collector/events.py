@@ -120,7 +120,9 @@ class LayoutAnomaly(_Base, tag=7, frozen=True):
 
 class Heartbeat(_Base, tag=8, frozen=True):
     """Restates live containers. A node's heartbeat is split into parts of bounded size;
-    `part` counts from 0 to `parts - 1`. `interval_ms` is the heartbeat period."""
+    `part` counts from 0 to `parts - 1`. `interval_ms` is the heartbeat period. `dropped`:
+    events this incarnation could not store (so they left seq gaps); `log_blocked`: episodes in
+    which its local log refused events (disk full, I/O error or its size bound)."""
 
     interval_ms: int
     part: int
@@ -130,6 +132,7 @@ class Heartbeat(_Base, tag=8, frozen=True):
     files: int = 0
     spool_depth: int = 0
     dropped: int = 0
+    log_blocked: int = 0
 
 
 class GpuInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):

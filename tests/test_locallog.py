@@ -370,7 +370,7 @@ def test_partial_frame_at_the_tail_is_not_written_yet(tmp_path: Path) -> None:
     assert reader.stats == locallog.ReaderStats(corrupt_frames=0, missing_records=0)
 
 
-def test_corrupt_frame_in_a_sealed_segment_is_skipped_and_counted(tmp_path: Path) -> None:
+def test_reader_resynchronises_after_a_corrupt_frame_in_a_sealed_segment(tmp_path: Path) -> None:
     with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
         fill(log, 0, 11)
     path = segment_path(tmp_path, 4)
@@ -379,19 +379,94 @@ def test_corrupt_frame_in_a_sealed_segment_is_skipped_and_counted(tmp_path: Path
     path.write_bytes(bytes(damaged))
 
     reader = LogReader(tmp_path)
-    expected = [record(i) for i in (0, 1, 2, 3, 4, 8, 9, 10)]
+    expected = [record(i) for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)]
     assert read_all(reader, batch=3) == expected
-    assert reader.stats == locallog.ReaderStats(corrupt_frames=1, missing_records=3)
-    assert reader.read(6) == [record(8), record(9), record(10)]
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=1, missing_records=1)
+    assert reader.read(5) == [record(6), record(7), record(8), record(9), record(10)]
+    assert reader.read(6, 1) == [record(6)]
     assert read_all(reader) == expected
-    assert reader.stats == locallog.ReaderStats(corrupt_frames=1, missing_records=3)
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=1, missing_records=1)
 
-    # A sealed segment cut short is corrupt as well, not "not written yet".
+    # A sealed segment cut short is corrupt as well, not "not written yet": nothing follows.
     path = segment_path(tmp_path, 0)
     path.write_bytes(path.read_bytes()[: 2 * FRAME + 10])
     reader = LogReader(tmp_path)
-    assert [r.offset for r in read_all(reader)] == [0, 1, 4, 8, 9, 10]
-    assert reader.stats == locallog.ReaderStats(corrupt_frames=2, missing_records=5)
+    assert [r.offset for r in read_all(reader)] == [0, 1, 4, 6, 7, 8, 9, 10]
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=2, missing_records=3)
+
+
+@pytest.mark.parametrize("newest", [False, True])
+def test_reader_passes_over_a_huge_frame_length(tmp_path: Path, newest: bool) -> None:
+    with LocalLog(tmp_path, segment_bytes=(20 if newest else 4) * FRAME) as log:
+        fill(log, 0, 12)
+    path = segment_path(tmp_path, 0 if newest else 4)
+    damaged = bytearray(path.read_bytes())
+    damaged[FRAME : FRAME + 4] = (0xFFFFFFF0).to_bytes(4, "little")  # offset 1 (or 5)
+    path.write_bytes(bytes(damaged))
+    reader = LogReader(tmp_path)
+    lost = 1 if newest else 5
+    assert [r.offset for r in read_all(reader)] == [i for i in range(12) if i != lost]
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=1, missing_records=1)
+    assert reader.end_offset() == 12
+    assert reader.torn_tail() == 0
+
+
+def test_flipped_bytes_in_the_newest_segment_are_damage_not_a_tail(tmp_path: Path) -> None:
+    with LocalLog(tmp_path) as log:
+        fill(log, 0, 10)
+    path = segment_path(tmp_path, 0)
+    damaged = bytearray(path.read_bytes())
+    for i in (2, 3, 7):
+        damaged[i * FRAME + 30] ^= 0x5A
+    path.write_bytes(bytes(damaged))
+    reader = LogReader(tmp_path)
+    assert [r.offset for r in read_all(reader)] == [0, 1, 4, 5, 6, 8, 9]
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=2, missing_records=3)
+    # The writer keeps them too: only a tail with nothing valid after it is cut.
+    with LocalLog(tmp_path) as log:
+        assert log.stats.torn_tail_bytes == 0
+        assert log.stats.damaged_frames == 2
+        assert log.append(KEY, value(10), 1010) == 10
+    assert [r.offset for r in read_all(LogReader(tmp_path))] == [0, 1, 4, 5, 6, 8, 9, 10]
+
+
+def test_torn_tail_is_reported_by_the_reader(tmp_path: Path) -> None:
+    with LocalLog(tmp_path) as log:
+        fill(log, 0, 6)
+    path = segment_path(tmp_path, 0)
+    data = path.read_bytes()
+    reader = LogReader(tmp_path)
+    assert reader.torn_tail() == 0
+    path.write_bytes(data[: 3 * FRAME + 20])
+    assert [r.offset for r in read_all(reader)] == [0, 1, 2]
+    assert reader.torn_tail() == 20
+    assert reader.end_offset() == 3
+
+
+def test_deleted_middle_segment_is_a_missing_segment(tmp_path: Path) -> None:
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
+        fill(log, 0, 12)
+    segment_path(tmp_path, 4).unlink()
+    reader = LogReader(tmp_path)
+    assert [r.offset for r in read_all(reader, batch=2)] == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert reader.stats == locallog.ReaderStats(missing_records=4, missing_segments=1)
+    assert reader.read(5) == [record(8), record(9), record(10), record(11)]
+    assert reader.stats == locallog.ReaderStats(missing_records=4, missing_segments=1)
+
+
+def test_resync_through_a_zeroed_region(tmp_path: Path) -> None:
+    with LocalLog(tmp_path) as log:
+        fill(log, 0, 2000)
+    path = segment_path(tmp_path, 0)
+    damaged = bytearray(path.read_bytes())
+    damaged[100 * FRAME + 7 : 1500 * FRAME + 3] = bytes(1400 * FRAME - 4)
+    path.write_bytes(bytes(damaged))
+    reader = LogReader(tmp_path)
+    started = time.monotonic()
+    offsets = [r.offset for r in read_all(reader)]
+    assert time.monotonic() - started < 5
+    assert offsets == [*range(100), *range(1501, 2000)]
+    assert reader.stats == locallog.ReaderStats(corrupt_frames=1, missing_records=1401)
 
 
 def test_reader_in_parallel_with_writer(tmp_path: Path) -> None:
@@ -637,6 +712,8 @@ def test_property_corruption_is_counted_never_raised(
                 pos += size
 
         first_damage = {b: segment_path(directory, b).stat().st_size for b in bases}
+        touched: dict[int, set[int]] = {b: set() for b in bases}
+        cut_at = dict(first_damage)
         for kind, which, where, xor in damage:
             base = bases[which % len(bases)]
             path = segment_path(directory, base)
@@ -646,14 +723,17 @@ def test_property_corruption_is_counted_never_raised(
             if kind == "delete":
                 path.unlink()
                 first_damage[base] = -1
+                cut_at[base] = -1
                 continue
             if not data:
                 continue
             at = min(int(where * len(data)), len(data) - 1)
             if kind == "flip":
                 data[at] ^= xor
+                touched[base].add(at)
             else:
                 del data[at:]
+                cut_at[base] = min(cut_at[base], at)
             path.write_bytes(bytes(data))
             first_damage[base] = min(first_damage[base], at)
 
@@ -665,6 +745,14 @@ def test_property_corruption_is_counted_never_raised(
         # Damage in one segment never costs records of another, nor frames before it.
         intact = {i for i, (b, _, end) in extent.items() if end <= first_damage[b]}
         assert intact <= set(offsets)
+        # ... and a damaged frame costs only itself: every untouched frame after it is read
+        # (unless a cut took what follows it in the newest segment).
+        untouched = {
+            i
+            for i, (b, start, end) in extent.items()
+            if all(not (start <= at < end) for at in touched[b]) and end <= cut_at[b]
+        }
+        assert untouched <= set(offsets)
         assert reader.stats.missing_records <= len(records)
         reader.end_offset()
         for _, _, t in records[:3]:

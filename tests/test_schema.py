@@ -166,5 +166,6 @@ def test_older_message_without_defaulted_trailing_fields_decodes_with_defaults()
     assert isinstance(hb, Heartbeat)
     raw = msgspec.msgpack.decode(encode(hb))
     assert len(raw) == 1 + len(msgspec.structs.fields(Heartbeat))
-    older = msgspec.msgpack.encode(raw[:-4])  # before scan_ms, files, spool_depth, dropped
+    # before scan_ms, files, spool_depth, dropped, log_blocked
+    older = msgspec.msgpack.encode(raw[:-5])
     assert decode(older) == msgspec.structs.replace(hb, scan_ms=0.0)

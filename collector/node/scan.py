@@ -62,8 +62,17 @@ class Scanner:
         self.seq += 1
         return event
 
+    def heartbeat_now(self) -> None:
+        """Make the next scan send a heartbeat (e.g. after events were dropped)."""
+        self._last_heartbeat_ms = None
+
     def scan(
-        self, now_ms: int | None = None, *, spool_depth: int = 0, dropped: int = 0
+        self,
+        now_ms: int | None = None,
+        *,
+        spool_depth: int = 0,
+        dropped: int = 0,
+        log_blocked: int = 0,
     ) -> list[Event]:
         started = time.perf_counter()
         self._ts = int(time.time() * 1000) if now_ms is None else now_ms
@@ -105,7 +114,7 @@ class Scanner:
             or self._ts - self._last_heartbeat_ms >= self.heartbeat_ms
         ):
             self._last_heartbeat_ms = self._ts
-            events += self._heartbeat(elapsed_ms, spool_depth, dropped)
+            events += self._heartbeat(elapsed_ms, spool_depth, dropped, log_blocked)
         self.stats.events += len(events)
         # Read by the /metrics endpoint on the event loop: replaced whole, never mutated.
         self.published = [
@@ -143,7 +152,9 @@ class Scanner:
         finally:
             os.close(fd)
 
-    def _heartbeat(self, scan_ms: float, spool_depth: int, dropped: int) -> list[Event]:
+    def _heartbeat(
+        self, scan_ms: float, spool_depth: int, dropped: int, log_blocked: int
+    ) -> list[Event]:
         states = [
             st.state() for _, st in sorted(self._files.items()) if st.appeared and not st.unobserved
         ]
@@ -160,6 +171,7 @@ class Scanner:
                 files=len(self._files),
                 spool_depth=spool_depth,
                 dropped=dropped,
+                log_blocked=log_blocked,
             )
             for i, part in enumerate(parts)
         ]

@@ -53,7 +53,10 @@ class CollectSettings:
 @dataclass
 class CollectorStatus:
     appended: int = 0
-    dropped: int = 0  # rejected by the full log: counted here and in every heartbeat
+    dropped: int = 0  # rejected by the local log: counted here and in every heartbeat
+    log_blocked: str | None = None  # why the local log rejects events now (an episode)
+    blocked_since: float = 0.0  # monotonic start of that episode
+    dropped_at_block: int = 0  # `dropped` when it began
 
 
 class Collector:
@@ -103,8 +106,35 @@ class Collector:
             else:
                 self.status.appended += 1
         self.log.flush()
+        self._watch_log()
         if self.forwarder is not None:
             self.forwarder.wake()
+
+    def _watch_log(self) -> None:
+        """Disk full, an I/O error and the log's size bound are one condition: logged once
+        when an episode starts and once when it ends. Scanning goes on meanwhile; what is
+        dropped is counted, and the first heartbeat after it restates every live key."""
+        st = self.status
+        blocked = self.log.blocked
+        if blocked is not None and st.log_blocked is None:
+            st.blocked_since = time.monotonic()
+            st.dropped_at_block = st.dropped
+            log.error(
+                "local log %s cannot take events (%s): dropping and counting them, "
+                "scanning goes on, writing resumes by itself",
+                self.settings.log_dir,
+                blocked,
+            )
+        elif blocked is None and st.log_blocked is not None:
+            log.warning(
+                "local log %s writes again after %.1f s: %d events dropped (%s)",
+                self.settings.log_dir,
+                time.monotonic() - st.blocked_since,
+                st.dropped - st.dropped_at_block,
+                st.log_blocked,
+            )
+            self.scanner.heartbeat_now()
+        st.log_blocked = blocked
 
     def spool_depth(self) -> int:
         return self.forwarder.depth() if self.forwarder else 0
@@ -134,6 +164,9 @@ class Collector:
             dropped=self.status.dropped,
             spool_depth=self.spool_depth(),
             seconds_since_scan=time.monotonic() - self._last_scan,
+            log_blocked=self.status.log_blocked,
+            log_blocked_episodes=self.log.stats.blocked_episodes,
+            log_write_errors=self.log.stats.write_errors,
         )
 
     async def run(self) -> None:
@@ -158,7 +191,10 @@ class Collector:
             next_at = time.monotonic()
             while not self.stopping.is_set():
                 events = await asyncio.to_thread(
-                    self.scanner.scan, spool_depth=self.spool_depth(), dropped=self.status.dropped
+                    self.scanner.scan,
+                    spool_depth=self.spool_depth(),
+                    dropped=self.status.dropped,
+                    log_blocked=self.log.stats.blocked_episodes,
                 )
                 self._append(events)
                 self._last_scan = time.monotonic()
@@ -178,12 +214,18 @@ class Collector:
             if self.scanner.crosscheck is not None:
                 self.scanner.crosscheck.close()
             self.scanner.discovery.close()
-            self.log.flush()
             self.log.close()
+            if self.log.stats.unwritten_records:
+                log.error(
+                    "local log %s: %d accepted events could not be written (%s) and are lost",
+                    self.settings.log_dir,
+                    self.log.stats.unwritten_records,
+                    self.log.blocked,
+                )
             log.info(
                 "collector stopped: %d events appended, %d dropped, %d left in the spool",
                 self.status.appended,
-                self.status.dropped,
+                self.status.dropped + self.log.stats.unwritten_records,
                 self.spool_depth(),
             )
 

@@ -134,6 +134,7 @@ class KafkaForwarder:
         self.connected = False
         self._producer: AIOKafkaProducer | None = None
         self._wake = asyncio.Event()
+        self._commit_failing = False
         committed = self.reader.committed(FORWARDER_GROUP)
         self._offset = committed[0] if committed else spool.first_offset
 
@@ -197,11 +198,27 @@ class KafkaForwarder:
             await self._drop_producer()
         done = acked - self._offset
         if done:
-            self.reader.commit(FORWARDER_GROUP, acked)
-            self.spool.release_before(acked)
+            self._commit(acked)
             self._offset = acked
             self.stats.sent += done
         return done
+
+    def _commit(self, acked: int) -> None:
+        """Remember what the broker has, and free the spool below it. On a full disk the
+        checkpoint cannot be replaced: the position is kept in memory and committed by a later
+        batch (a restart before that sends what is still spooled again; the aggregator drops
+        those as duplicates), while the segments the broker has are freed all the same."""
+        self.spool.release_before(acked)
+        try:
+            self.reader.commit(FORWARDER_GROUP, acked)
+        except OSError as exc:
+            if not self._commit_failing:
+                log.warning("spool checkpoint not written (%s); kept in memory", exc.strerror)
+            self._commit_failing = True
+            return
+        if self._commit_failing:
+            log.info("spool checkpoint written again")
+        self._commit_failing = False
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():

@@ -133,11 +133,24 @@ OWN: tuple[Metric, ...] = (
     ),
     Metric(
         "hami_usage_events_dropped_total", "counter", "events", "health", (),
-        "events rejected by a full local log", _get("dropped"),
+        "events the local log refused (disk full, I/O error, size bound)", _get("dropped"),
     ),
     Metric(
         "hami_usage_spool_depth", "gauge", "events", "health", (),
         "events in the local log not yet acknowledged by Kafka", _get("spool_depth"),
+    ),
+    Metric(
+        "hami_usage_log_blocked", "gauge", "", "health", (),
+        "1 while the local log refuses events (disk full, I/O error, size bound)",
+        _get("log_blocked_now"),
+    ),
+    Metric(
+        "hami_usage_log_blocked_episodes_total", "counter", "episodes", "health", (),
+        "episodes in which the local log refused events", _get("log_blocked_episodes"),
+    ),
+    Metric(
+        "hami_usage_log_write_errors_total", "counter", "errors", "health", (),
+        "failed writes to the local log (each retried)", _get("log_write_errors"),
     ),
     Metric(
         "hami_usage_build_info", "gauge", "", "build", ("version",),

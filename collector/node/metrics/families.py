@@ -43,6 +43,13 @@ class Health:
     dropped: int
     spool_depth: int
     seconds_since_scan: float
+    log_blocked: str | None = None  # why the local log refuses events now (an episode)
+    log_blocked_episodes: int = 0
+    log_write_errors: int = 0
+
+    @property
+    def log_blocked_now(self) -> int:
+        return int(self.log_blocked is not None)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,17 @@ log = logging.getLogger(__name__)
 _MAX_HEADERS = 100
 
 
+def healthz(health: Health, stale_after_s: float) -> tuple[str, str]:
+    """200 while scans keep happening, even while the local log refuses events: the
+    collector is degraded then, not dead (a restart would not free the disk), and says so."""
+    fresh = health.scans > 0 and health.seconds_since_scan <= stale_after_s
+    status = "200 OK" if fresh else "503 Service Unavailable"
+    body = f"last scan {health.seconds_since_scan:.1f} s ago\n"
+    if health.log_blocked is not None:
+        body = f"degraded: local log refuses events ({health.log_blocked}); {body}"
+    return status, body
+
+
 class MetricsServer:
     def __init__(
         self,
@@ -78,10 +89,8 @@ class MetricsServer:
                 body = await asyncio.to_thread(encoder, self.registry)
                 status = "200 OK"
             elif path == "/healthz":
-                health = self._health()
-                fresh = health.scans > 0 and health.seconds_since_scan <= self.stale_after_s
-                status = "200 OK" if fresh else "503 Service Unavailable"
-                body = f"last scan {health.seconds_since_scan:.1f} s ago\n".encode()
+                status, text = healthz(self._health(), self.stale_after_s)
+                body = text.encode()
             else:
                 status, body = "404 Not Found", b"try /metrics or /healthz\n"
             writer.write(

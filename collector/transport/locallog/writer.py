@@ -1,0 +1,415 @@
+"""The single writer of a log directory.
+
+Only the writer changes segment files: it appends to the newest one, truncates a torn tail of
+the newest one when it opens, and deletes whole older segments.
+
+A write that cannot happen - the disk is full (ENOSPC, EDQUOT, EFBIG), an I/O error (EIO), or
+the log's own size bound - is one condition, a *blocked* episode: the record is rejected and
+counted, nothing is raised, and the log keeps trying. Records it had already accepted stay in
+memory and are written, at the same file position, once the disk takes them again; records it
+had written are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from .checkpoint import (
+    CHECKPOINT_SUFFIX,
+    CONSUMERS_DIR,
+    GROUP_NAME,
+    CorruptCheckpointError,
+    fsync_dir,
+    load_checkpoint,
+)
+from .frames import (
+    BODY_HEAD,
+    FRAME_OVERHEAD,
+    LENGTH_AND_CRC,
+    LENGTH_FIELD,
+    ScanEnd,
+    list_segments,
+    segment_name,
+    walk_frames,
+)
+
+log = logging.getLogger(__name__)
+
+_MIB = 1024 * 1024
+_MAX_KEY = 0xFFFF
+_I64_MIN = -(2**63)
+_I64_MAX = 2**63 - 1
+_LOCK_NAME = "writer.lock"
+
+# Appends are gathered in memory and written with one syscall; readers see them after flush().
+_WRITE_BUFFER_BYTES = 64 * 1024
+# While blocked by the disk, an append retries the write at most this often (a flush always
+# does): a full disk answers at once, but there is no point asking thousands of times a scan.
+_RETRY_EVERY_S = 0.1
+
+
+class LogLockedError(RuntimeError):
+    """Another process (or another LocalLog in this one) holds the log's writer lock."""
+
+
+@dataclass(slots=True)
+class WriterStats:
+    appended_records: int = 0
+    rejected_records: int = 0  # by the size bound or by the disk, while blocked
+    rejected_bytes: int = 0  # on-disk size (frame bytes) the rejected records would have taken
+    torn_tail_bytes: int = 0  # cut from the newest segment by crash recovery on open
+    damaged_frames: int = 0  # found (and kept: readers pass over them) by recovery on open
+    reclaimed_bytes: int = 0  # deleted by the size bound to make room for appends
+    write_errors: int = 0  # failed writes or fsyncs (each retried)
+    blocked_episodes: int = 0  # times the log went from writing to rejecting
+    unwritten_records: int = 0  # accepted, still unwritten at close: lost
+
+
+class LocalLog:
+    """The single writer of a log directory. Not thread-safe.
+
+    Appended records become visible to readers at flush() (or earlier, when the write buffer
+    fills); with fsync=True, flush() also makes them durable across power loss. A record that
+    append() accepted is only lost if the process dies before a flush() manages to write it.
+
+    A segment is rolled before a record would take it past segment_bytes, so segments only
+    exceed it when a single record does. When the segments would exceed max_bytes, segments
+    that every consumer group has committed past are deleted first; if that is not enough the
+    record is rejected and counted.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        segment_bytes: int = 8 * _MIB,
+        max_bytes: int = 256 * _MIB,
+        fsync: bool = False,
+    ) -> None:
+        if segment_bytes < 1 or max_bytes < 1:
+            raise ValueError("segment_bytes and max_bytes must be positive")
+        self._dir = directory
+        self._segment_bytes = segment_bytes
+        self._max_bytes = max_bytes
+        self._fsync = fsync
+        self.stats = WriterStats()
+        self._pending = bytearray()
+        self._unsynced = False
+        self._closed = False
+        self._io_error: OSError | None = None  # the last failed write, until one succeeds
+        self._blocked: str | None = None  # why appends are rejected, during an episode
+        self._last_retry = 0.0
+        directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._lock()
+        try:
+            self._open_segments()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _lock(self) -> int:
+        fd = os.open(self._dir / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise LogLockedError(
+                f"{self._dir} is already open for writing (lock holder pid {holder})"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # The pid is only there to make the error above useful: a full disk may refuse it.
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        return fd
+
+    def _open_segments(self) -> None:
+        self._bases = list_segments(self._dir)
+        if not self._bases:
+            self._bases = [0]
+            self._sizes = [0]
+            self._fd = self._create_segment(0)
+            self._next_offset = 0
+        else:
+            self._sizes = [os.stat(self._dir / segment_name(b)).st_size for b in self._bases]
+            self._fd = os.open(self._dir / segment_name(self._bases[-1]), os.O_RDWR)
+            try:
+                self._recover_active()
+            except BaseException:
+                os.close(self._fd)
+                raise
+        self._total_bytes = sum(self._sizes)
+        self._written_offset = self._next_offset  # records below this reached the OS
+
+    def _recover_active(self) -> None:
+        """Cut the newest segment back to the end of its last valid frame (a crash can tear
+        the tail). Damaged frames before that are not a torn tail: they and every valid frame
+        after them stay, and readers pass over them."""
+        base, size = self._bases[-1], self._sizes[-1]
+        end = ScanEnd()
+
+        def damaged(_pos: int, _offset: int, _next_pos: int, _next_offset: int) -> None:
+            self.stats.damaged_frames += 1
+
+        with open(self._dir / segment_name(base), "rb") as f:
+            for _ in walk_frames(f, size, 0, base, base, end, None, None, damaged):
+                pass
+        if end.pos < size:
+            os.ftruncate(self._fd, end.pos)
+            if self._fsync:
+                os.fsync(self._fd)
+            self.stats.torn_tail_bytes += size - end.pos
+            self._sizes[-1] = end.pos
+        self._next_offset = end.offset
+
+    def _create_segment(self, base: int) -> int:
+        fd = os.open(self._dir / segment_name(base), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        if self._fsync:
+            _fsync_quietly(self._dir)
+        return fd
+
+    @property
+    def next_offset(self) -> int:
+        return self._next_offset
+
+    @property
+    def first_offset(self) -> int:
+        return self._bases[0]
+
+    @property
+    def blocked(self) -> str | None:
+        """Why appends are being rejected (disk error or size bound), or None while writing."""
+        return self._blocked
+
+    @property
+    def unwritten(self) -> int:
+        """Records accepted but not yet handed to the OS (held while the disk refuses them)."""
+        return self._next_offset - self._written_offset
+
+    def append(self, key: bytes, value: bytes, timestamp_ms: int) -> int | None:
+        """Store a record and return its offset, or None when it is rejected: the disk
+        refuses writes or the size bound is reached (see `blocked`)."""
+        self._check_open()
+        if len(key) > _MAX_KEY:
+            raise ValueError(f"key of {len(key)} bytes is longer than {_MAX_KEY}")
+        if not _I64_MIN <= timestamp_ms <= _I64_MAX:
+            raise ValueError(f"timestamp_ms {timestamp_ms} does not fit in 64 bits")
+        n = FRAME_OVERHEAD + len(key) + len(value)
+        if self._io_error is not None:
+            now = time.monotonic()
+            if now - self._last_retry < _RETRY_EVERY_S or not self._retry():
+                self._reject(n, _describe(self._io_error))
+                return None
+        if self._total_bytes + n > self._max_bytes and not self._make_room(n):
+            self._reject(n, f"size bound of {self._max_bytes} bytes reached")
+            return None
+        try:
+            active_bytes = self._sizes[-1] + len(self._pending)
+            if active_bytes > 0 and active_bytes + n > self._segment_bytes:
+                self._roll()
+            elif len(self._pending) + n > _WRITE_BUFFER_BYTES:
+                self._write_pending()
+        except OSError as exc:
+            self._failed(exc)
+            self._reject(n, _describe(exc))
+            return None
+        # Only from here on is the record given an offset: if anything above failed, it was
+        # simply not stored, and the caller was told.
+        offset = self._next_offset
+        body = BODY_HEAD.pack(offset, timestamp_ms, len(key))
+        crc = zlib.crc32(value, zlib.crc32(key, zlib.crc32(body)))
+        self._pending += LENGTH_AND_CRC.pack(n - LENGTH_FIELD, crc)
+        self._pending += body
+        self._pending += key
+        self._pending += value
+        self._next_offset = offset + 1
+        self._total_bytes += n
+        self.stats.appended_records += 1
+        if self._io_error is None:
+            self._blocked = None
+        return offset
+
+    def flush(self) -> None:
+        """Hand buffered records to the OS (visible to readers); with fsync, make them durable.
+        A disk that refuses them does not raise: the records stay buffered, the log is
+        blocked, and the next flush (or append) tries again."""
+        self._check_open()
+        try:
+            self._write_pending()
+            if self._fsync and self._unsynced:
+                os.fsync(self._fd)
+                self._unsynced = False
+        except OSError as exc:
+            self._failed(exc)
+            self._block(_describe(exc))
+        else:
+            self._io_error = None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self.stats.unwritten_records = self.unwritten
+            os.close(self._fd)
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> LocalLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def release_before(self, offset: int) -> int:
+        """Delete sealed segments whose records all lie below `offset`; return bytes freed."""
+        self._check_open()
+        freed = 0
+        while len(self._bases) > 1 and self._bases[1] <= offset:
+            freed += self._delete_oldest()
+        return freed
+
+    def retain_from(self) -> int | None:
+        """Lowest offset some consumer still needs, or None when no consumer has committed.
+
+        A checkpoint beyond what this writer has handed to the OS cannot be the result of
+        reading this log (it is stale, e.g. from a log that used to live here), so it only
+        counts up to there. An unreadable checkpoint keeps everything.
+        """
+        try:
+            names = os.listdir(self._dir / CONSUMERS_DIR)
+        except FileNotFoundError:
+            return None
+        lowest: int | None = None
+        for name in names:
+            group = name.removesuffix(CHECKPOINT_SUFFIX)
+            if name == group or not GROUP_NAME.match(group):
+                continue  # temp files of an in-flight commit, strays
+            try:
+                checkpoint = load_checkpoint(self._dir / CONSUMERS_DIR / name)
+            except CorruptCheckpointError:
+                return self.first_offset
+            if checkpoint is not None and (lowest is None or checkpoint.offset < lowest):
+                lowest = checkpoint.offset
+        return None if lowest is None else min(lowest, self._written_offset)
+
+    def _reject(self, n: int, reason: str) -> None:
+        self.stats.rejected_records += 1
+        self.stats.rejected_bytes += n
+        self._block(reason)
+
+    def _block(self, reason: str) -> None:
+        if self._blocked is None:
+            self.stats.blocked_episodes += 1
+        self._blocked = reason
+
+    def _failed(self, exc: OSError) -> None:
+        self.stats.write_errors += 1
+        self._io_error = exc
+        self._last_retry = time.monotonic()
+
+    def _retry(self) -> bool:
+        """Try the write that failed again (the buffered records, at their position)."""
+        self._last_retry = time.monotonic()
+        try:
+            self._write_pending()
+        except OSError as exc:
+            self._failed(exc)
+            return False
+        self._io_error = None
+        return True
+
+    def _make_room(self, n: int) -> bool:
+        """Delete segments every consumer is done with until `n` more bytes fit the bound."""
+        if n > self._max_bytes:
+            return False
+        retain = self.retain_from()
+        if retain is None:
+            return False
+        while (
+            self._total_bytes + n > self._max_bytes
+            and len(self._bases) > 1
+            and self._bases[1] <= retain
+        ):
+            self.stats.reclaimed_bytes += self._delete_oldest()
+        if (
+            self._total_bytes + n > self._max_bytes
+            and retain >= self._next_offset
+            and self._sizes[-1] + len(self._pending) > 0
+        ):
+            # Consumers have read even the active segment: seal it so it can go too, or a
+            # bound smaller than one segment would wedge the log.
+            try:
+                self._roll()
+            except OSError as exc:
+                self._failed(exc)
+                return False
+            while len(self._bases) > 1:
+                self.stats.reclaimed_bytes += self._delete_oldest()
+        return self._total_bytes + n <= self._max_bytes
+
+    def _delete_oldest(self) -> int:
+        base, size = self._bases[0], self._sizes[0]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._dir / segment_name(base))
+        del self._bases[0], self._sizes[0]
+        self._total_bytes -= size
+        return size
+
+    def _roll(self) -> None:
+        self._write_pending()
+        if self._fsync and self._unsynced:
+            os.fsync(self._fd)
+            self._unsynced = False
+        fd = self._create_segment(self._next_offset)
+        os.close(self._fd)
+        self._fd = fd
+        self._bases.append(self._next_offset)
+        self._sizes.append(0)
+
+    def _write_pending(self) -> None:
+        if not self._pending:
+            return
+        position = self._sizes[-1]
+        written = 0
+        # pwrite at an explicit position: if a write fails part way, the retry overwrites the
+        # same bytes instead of appending after a torn frame.
+        with memoryview(self._pending) as view:
+            while written < len(view):
+                written += os.pwrite(self._fd, view[written:], position + written)
+        self._sizes[-1] = position + written
+        self._pending.clear()
+        self._unsynced = True
+        self._written_offset = self._next_offset
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("I/O operation on closed LocalLog")
+
+
+def _describe(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _fsync_quietly(directory: Path) -> None:
+    # A directory fsync after creating a segment hardens durability; a disk that refuses it
+    # will refuse the segment's first write as well, and that one is handled.
+    with contextlib.suppress(OSError):
+        fsync_dir(directory)

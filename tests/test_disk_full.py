@@ -1,0 +1,236 @@
+"""The collector on a disk that fills and frees (a real small filesystem, see fulldisk.py).
+
+Disk full, I/O errors and the log's own size bound are one condition: the collector keeps
+scanning, counts what it drops (metric + heartbeat), logs once per episode, says "degraded" on
+/healthz, writes again by itself when space returns, and loses nothing it had written; a
+restart on a full disk does not crash.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fulldisk import full_disk
+from test_collector_metrics import get
+
+from collector.events import Heartbeat, decode
+from collector.simulate import NodeSimulator
+from collector.transport.locallog import LocalLog, LogReader, LogRecord
+
+HAMI_USAGE = Path(sys.executable).parent / "hami-usage"
+
+
+def read_all(log: Path) -> tuple[list[LogRecord], LogReader]:
+    reader = LogReader(log)
+    out: list[LogRecord] = []
+    while batch := reader.read(len(out) and out[-1].offset + 1, 5000):
+        out += batch
+    return out, reader
+
+
+class Proc:
+    def __init__(self, cmd: list[str], err: Path, preexec: object = None) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_USAGE_")}
+        self.err = err
+        with err.open("wb") as f:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=f,
+                env=env,
+                preexec_fn=preexec,  # type: ignore[arg-type]
+            )
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def port(self, timeout: float = 20) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.stderr()
+            m = re.search(r"metrics on :(\d+)/metrics", self.stderr())
+            if m:
+                return int(m.group(1))
+            time.sleep(0.05)
+        raise AssertionError(self.stderr())
+
+
+def metric(port: int, name: str) -> float:
+    _, body = get(port, "/metrics")
+    m = re.search(rf"^{name} (\S+)$", body, re.M)
+    assert m, body
+    return float(m.group(1))
+
+
+def wait_until(what: str, check: object, p: Proc, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert p.proc.poll() is None, p.stderr()
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not {what} after {timeout}s:\n{p.stderr()}")
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[NodeSimulator]:
+    root = tmp_path / "containers"
+    root.mkdir()
+    node = NodeSimulator(root, 4, "v1.2", seed=11)
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            node.step(time.time())
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield node
+    stop.set()
+    thread.join()
+    node.close()
+
+
+def collect_cmd(root: Path, log: Path) -> list[str]:
+    return [
+        str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(log), "--node", "n1",
+        "--interval", "0.05", "--heartbeat", "0.5", "--no-nvml", "--metrics-port", "0",
+    ]  # fmt: skip
+
+
+def test_collector_rides_out_a_full_disk(tmp_path: Path, sim: NodeSimulator) -> None:
+    with full_disk(tmp_path / "disk") as disk:
+        log = disk.directory / "events"
+        p = Proc(collect_cmd(sim.root, log), tmp_path / "collect1.err")
+        disk.attach(p.proc.pid)
+        port = p.port()
+        wait_until("writing", lambda: LogReader(log).end_offset() > 50, p)
+        before, _ = read_all(log)
+
+        disk.fill()
+        wait_until("blocked", lambda: metric(port, "hami_usage_log_blocked") == 1, p)
+        dropped = metric(port, "hami_usage_events_dropped_total")
+        wait_until(
+            "dropping", lambda: metric(port, "hami_usage_events_dropped_total") > dropped + 20, p
+        )
+        status, body = get(port, "/healthz")
+        assert status == 200
+        assert body.startswith(f"degraded: local log refuses events ({disk.strerror})"), body
+        assert metric(port, "hami_usage_log_blocked_episodes_total") >= 1
+        assert metric(port, "hami_usage_log_write_errors_total") >= 1
+        scans = metric(port, "hami_usage_scans_total")
+        wait_until("scanning", lambda: metric(port, "hami_usage_scans_total") > scans + 10, p)
+
+        disk.free()
+        wait_until("writing again", lambda: metric(port, "hami_usage_log_blocked") == 0, p)
+        assert get(port, "/healthz")[1].startswith("last scan")
+        end = LogReader(log).end_offset()
+        wait_until("appending", lambda: LogReader(log).end_offset() > end + 20, p)
+
+        # The second episode is a restart on a full disk: it must start, not crash.
+        disk.fill()
+        wait_until("blocked", lambda: metric(port, "hami_usage_log_blocked") == 1, p)
+        episodes = metric(port, "hami_usage_log_blocked_episodes_total")
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(30) == 0, p.stderr()
+        err1 = p.stderr()
+        p2 = Proc(collect_cmd(sim.root, log), tmp_path / "collect2.err", disk.preexec())
+        disk.attach(p2.proc.pid)
+        port2 = p2.port()
+        wait_until("blocked", lambda: metric(port2, "hami_usage_log_blocked") == 1, p2)
+        assert get(port2, "/healthz")[0] == 200
+        disk.free()
+        wait_until("writing again", lambda: metric(port2, "hami_usage_log_blocked") == 0, p2)
+        end = LogReader(log).end_offset()
+        wait_until("appending", lambda: LogReader(log).end_offset() > end + 20, p2)
+        p2.proc.send_signal(signal.SIGTERM)
+        assert p2.proc.wait(30) == 0, p2.stderr()
+        err2 = p2.stderr()
+
+        records, reader = read_all(log)
+    for err in (err1, err2):
+        assert "Traceback" not in err
+    # Once per episode: two in the first run (more if the last page of a segment still took
+    # a few records after the disk was full), one in the second.
+    assert episodes >= 2
+    assert err1.count("cannot take events") == episodes, err1
+    assert err1.count("writes again after") == episodes - 1, err1
+    assert err2.count("cannot take events") == 1 and err2.count("writes again after") == 1
+    assert re.search(r"writes again after [\d.]+ s: [1-9]\d* events dropped", err1), err1
+    # Nothing written was lost, nothing is damaged, offsets are dense.
+    assert records[: len(before)] == before
+    assert [r.offset for r in records] == list(range(len(records)))
+    assert reader.stats.corrupt_frames == reader.stats.missing_records == 0
+    # The drops are in the heartbeats that followed, and each incarnation's seq gaps are
+    # exactly the events it dropped.
+    events = [decode(r.value) for r in records]
+    incs = list(dict.fromkeys(e.inc for e in events))
+    assert len(incs) == 2
+    for inc in incs:
+        mine = [e for e in events if e.inc == inc]
+        seqs = [e.seq for e in mine]
+        beats = [e for e in mine if isinstance(e, Heartbeat)]
+        assert beats[-1].log_blocked >= 1
+        missing = seqs[-1] + 1 - len(seqs)
+        assert missing > 0
+        # The last heartbeat was stamped before the last events: it counts at most as many.
+        assert 0 < beats[-1].dropped <= missing
+
+
+def test_log_size_bound_is_the_same_condition(tmp_path: Path) -> None:
+    with LocalLog(tmp_path, max_bytes=4000) as log:
+        accepted = [log.append(b"k", bytes(100), i) for i in range(60)]
+        assert None in accepted
+        assert log.blocked == "size bound of 4000 bytes reached"
+        assert log.stats.blocked_episodes == 1
+        n = log.stats.rejected_records
+        assert log.append(b"k", bytes(100), 99) is None
+        assert log.stats.blocked_episodes == 1  # still the same episode
+        assert log.stats.rejected_records == n + 1
+        log.flush()
+        LogReader(tmp_path).commit("g", log.next_offset)  # a consumer is done: room again
+        assert log.append(b"k", bytes(100), 100) is not None
+        assert log.blocked is None
+        log.append(b"k", bytes(4000), 101)
+        assert log.stats.blocked_episodes == 2
+
+
+def test_writer_holds_what_it_accepted_until_the_disk_takes_it(tmp_path: Path) -> None:
+    with full_disk(tmp_path / "disk", size=1024 * 1024) as disk:
+        disk.attach(os.getpid())
+        try:
+            with LocalLog(disk.directory / "log") as log:
+                for i in range(100):
+                    assert log.append(b"k", i.to_bytes(4, "big") * 100, i) == i
+                log.flush()
+                disk.fill()
+                # Accepted into the buffer, then refused by the disk at flush: kept, retried.
+                for i in range(100, 150):
+                    assert log.append(b"k", i.to_bytes(4, "big") * 100, i) == i
+                log.flush()
+                assert log.blocked == disk.strerror
+                assert log.unwritten == 50
+                assert log.append(b"k", b"x", 150) is None
+                assert log.stats.rejected_records == 1
+                disk.free()
+                log.flush()
+                assert log.unwritten == 0
+                time.sleep(0.15)  # past the retry pause of appends
+                assert log.append(b"k", b"y", 151) == 150
+                assert log.blocked is None
+            got, reader = read_all(disk.directory / "log")
+        finally:
+            disk.free()
+    assert [r.offset for r in got] == list(range(151))
+    assert [r.value for r in got[:150]] == [i.to_bytes(4, "big") * 100 for i in range(150)]
+    assert reader.stats.corrupt_frames == 0
