@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from fulldisk import full_disk
-from test_collector_metrics import get
+from test_collector_metrics import get as http_get
 
 from collector.events import Heartbeat, decode
 from collector.simulate import NodeSimulator
@@ -57,11 +57,16 @@ class Proc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.stderr()
-            m = re.search(r"metrics on :(\d+)/metrics", self.stderr())
+            m = re.search(r"metrics on [^ ]*:(\d+)/metrics", self.stderr())
             if m:
                 return int(m.group(1))
             time.sleep(0.05)
         raise AssertionError(self.stderr())
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    status, _, body = http_get(port, path)
+    return status, body
 
 
 def metric(port: int, name: str) -> float:
