@@ -22,6 +22,7 @@ C = TypeVar("C", bound=msgspec.Struct)
 
 if TYPE_CHECKING:
     from .aggregate.windows import WindowSettings
+    from .node.podwatch import KubeSettings
 
 
 class UsageError(Exception):
@@ -42,6 +43,10 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -132,6 +137,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
 
     from .node.crosscheck import DriftTolerance
     from .node.discover import ListingLimits
+    from .node.podwatch import KubeConfigError
     from .node.service import CollectSettings, collect
     from .transport.kafka import ProducerSettings
 
@@ -168,14 +174,49 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         metrics_hami=cfg.metrics_hami,
         metrics_hami_legacy=cfg.metrics_hami_legacy,
         listing=ListingLimits(cfg.dir_max_entries, cfg.dir_relist, cfg.listing_budget),
+        kube=_kube(cfg),
     )
     _logging(logging.INFO)
+    if cfg.kubernetes and settings.kube is None:
+        logging.getLogger("collector.node.podwatch").info(
+            "not in a cluster and no --kubeconfig or $KUBECONFIG: pod names are off"
+        )
     try:
         asyncio.run(collect(settings))
+    except KubeConfigError as exc:
+        raise UsageError(f"hami-usage collect: {exc}") from None
     except LogLockedError as exc:
         print(f"hami-usage collect: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _kube(cfg: CollectConfig) -> KubeSettings | None:
+    """The pod watch's settings; None when it is off or there is nothing to connect with."""
+    import os
+
+    from .node.podwatch import KubeSettings
+
+    if not cfg.kubernetes:
+        return None
+    kubeconfig = cfg.kubeconfig or os.environ.get("KUBECONFIG") or None
+    if kubeconfig is not None:
+        kubeconfig = kubeconfig.split(os.pathsep)[0]  # kubectl merges a list; the first here
+        if not Path(kubeconfig).is_file():
+            raise UsageError(f"hami-usage collect: --kubeconfig {kubeconfig}: no such file")
+    elif not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    for name in (*cfg.pod_labels, *cfg.namespace_labels):
+        if not name or len(name) > 317 or any(c.isspace() or c == "," for c in name):
+            raise UsageError(f"hami-usage collect: {name!r} is not a label key")
+    return KubeSettings(
+        kubeconfig=kubeconfig,
+        pod_labels=tuple(cfg.pod_labels),
+        namespace_labels=tuple(cfg.namespace_labels),
+        backoff_max_s=cfg.kube_backoff_max,
+        backoff_initial_s=min(0.5, cfg.kube_backoff_max),
+        watch_timeout_s=cfg.kube_watch_timeout,
+    )
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -331,6 +372,12 @@ COLLECT_FLAGS = [
     "dir_max_entries",
     "dir_relist",
     "listing_budget",
+    "kubernetes",
+    "kubeconfig",
+    "pod_labels",
+    "namespace_labels",
+    "kube_backoff_max",
+    "kube_watch_timeout",
 ]
 
 
@@ -431,6 +478,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--listing-budget",
         type=float,
         help="seconds of folder listing per scan; the rest waits for the next (default 0.2)",
+    )
+    p.add_argument(
+        "--kubernetes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="watch this node's pods for names, workloads and labels (default on; off by "
+        "itself outside a cluster without a kubeconfig)",
+    )
+    p.add_argument(
+        "--kubeconfig",
+        metavar="PATH",
+        help="kubeconfig to use (default $KUBECONFIG, else the in-cluster service account)",
+    )
+    p.add_argument(
+        "--pod-labels",
+        type=_names,
+        metavar="KEY,...",
+        help="pod labels to copy into the records, e.g. team,cost-center",
+    )
+    p.add_argument(
+        "--namespace-labels", type=_names, metavar="KEY,...", help="namespace labels likewise"
+    )
+    p.add_argument(
+        "--kube-backoff-max", type=float, help="longest wait between API retries (default 30 s)"
+    )
+    p.add_argument(
+        "--kube-watch-timeout", type=int, help="seconds of one watch request (default 300)"
     )
     p.set_defaults(func=_cmd_collect)
 

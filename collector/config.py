@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -53,6 +54,12 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     dir_max_entries: PositiveInt = 1000
     dir_relist: Positive = 60.0
     listing_budget: Positive = 0.2
+    kubernetes: bool = True  # the pod watch (names); off by itself, one line, outside a cluster
+    kubeconfig: str | None = None  # default: $KUBECONFIG, else the in-cluster service account
+    pod_labels: list[str] = []  # pod labels copied into every record (e.g. team, cost-center)
+    namespace_labels: list[str] = []  # namespace labels likewise; a pod label of a key wins
+    kube_backoff_max: Positive = 30.0  # longest wait between retries of the API server
+    kube_watch_timeout: PositiveInt = 300  # timeoutSeconds of one watch request
 
 
 class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -83,10 +90,12 @@ C = TypeVar("C", bound=msgspec.Struct)
 
 def _from_env(cls: type[msgspec.Struct], env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in cls.__struct_fields__:
-        value = env.get(ENV_PREFIX + name.upper())
+    for f in msgspec.structs.fields(cls):
+        value = env.get(ENV_PREFIX + f.name.upper())
         if value is not None:
-            out[name] = value
+            # A list setting is a comma-separated value in the environment.
+            is_list = typing.get_origin(f.type) is list
+            out[f.name] = [v.strip() for v in value.split(",") if v.strip()] if is_list else value
     return out
 
 

@@ -60,6 +60,20 @@ class ContainerState(msgspec.Struct, array_like=True, frozen=True, gc=False):
     rows: list[UsageRow]
 
 
+class Identity(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Who a pod UID is, from the API server: namespace, name, the owning workload (`Deployment`,
+    `StatefulSet`, `DaemonSet`, `CronJob`, `Job`, `ReplicaSet`, ... ; `Pod` for a bare pod) and
+    the allowlisted namespace and pod labels (a pod label wins over a namespace label of the
+    same key)."""
+
+    pod_uid: str
+    namespace: str
+    pod: str
+    workload_kind: str
+    workload: str
+    labels: dict[str, str] = {}
+
+
 class _Base(msgspec.Struct, array_like=True, frozen=True, gc=False, tag_field="kind"):
     v: int
     inc: int
@@ -133,6 +147,8 @@ class Heartbeat(_Base, tag=8, frozen=True):
     spool_depth: int = 0
     dropped: int = 0
     log_blocked: int = 0
+    # The identities of the pods of `containers` that are known, restated like the containers.
+    pods: list[Identity] = []
 
 
 class GpuInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -167,6 +183,13 @@ class NodeDeviceSample(_Base, tag=10, frozen=True):
     rows: list[DeviceUsageRow]
 
 
+class PodIdentity(_Base, tag=11, frozen=True):
+    """A pod's identity, when it becomes known or changes (and restated in heartbeats). It is
+    kept after the pod is deleted while a container of it is still there."""
+
+    identity: Identity
+
+
 Event = (
     ContainerAppeared
     | ContainerGone
@@ -178,6 +201,7 @@ Event = (
     | Heartbeat
     | DeviceInventory
     | NodeDeviceSample
+    | PodIdentity
 )
 EVENT_TYPES: tuple[type[Any], ...] = (
     ContainerAppeared,
@@ -190,6 +214,7 @@ EVENT_TYPES: tuple[type[Any], ...] = (
     Heartbeat,
     DeviceInventory,
     NodeDeviceSample,
+    PodIdentity,
 )
 
 _encoder = msgspec.msgpack.Encoder()

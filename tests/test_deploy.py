@@ -163,6 +163,9 @@ def test_kustomization_renders_the_expected_objects() -> None:
     names = {(d["kind"], d["metadata"]["name"]) for d in RENDERED}
     assert names == {
         ("Namespace", "hami-usage"),
+        ("ServiceAccount", "hami-usage-collector"),
+        ("ClusterRole", "hami-usage-collector"),
+        ("ClusterRoleBinding", "hami-usage-collector"),
         ("DaemonSet", "hami-usage-collector"),
         ("Deployment", "hami-usage-aggregator"),
         ("Deployment", "otel-collector"),
@@ -173,7 +176,7 @@ def test_kustomization_renders_the_expected_objects() -> None:
     }
     assert kustomization()["namespace"] == "hami-usage"
     for doc in RENDERED:
-        if doc["kind"] != "Namespace":
+        if doc["kind"] not in _CLUSTER_SCOPED:
             assert doc["metadata"]["namespace"] == "hami-usage"
 
 
@@ -278,6 +281,60 @@ def test_collector_daemonset() -> None:
     ]
     assert collector["resources"]["requests"] == {"cpu": "50m", "memory": "64Mi"}
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
+
+
+def test_collector_rbac_is_read_only_and_matches_what_the_pod_watch_asks() -> None:
+    role = find("ClusterRole", "hami-usage-collector")
+    rules = {
+        (group, resource): sorted(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    # get/list/watch on pods and namespaces; get on what owner resolution reads. Nothing else.
+    assert rules == {
+        ("", "pods"): ["get", "list", "watch"],
+        ("", "namespaces"): ["get", "list", "watch"],
+        ("apps", "replicasets"): ["get"],
+        ("batch", "jobs"): ["get"],
+    }
+    binding = find("ClusterRoleBinding", "hami-usage-collector")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "hami-usage-collector",
+    }
+    sa = find("ServiceAccount", "hami-usage-collector")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "hami-usage-collector", "namespace": "hami-usage"}
+    ]
+    assert sa["metadata"]["namespace"] == "hami-usage"
+    assert sa["automountServiceAccountToken"] is False
+
+    # The DaemonSet runs as that account; the token reaches the collector container only, at
+    # the path the in-cluster configuration reads.
+    spec = find("DaemonSet", "hami-usage-collector")["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "hami-usage-collector"
+    volume = next(v for v in spec["volumes"] if v["name"] == "kube-api-access")
+    sources = volume["projected"]["sources"]
+    assert sources[0]["serviceAccountToken"]["path"] == "token"
+    assert sources[1]["configMap"] == {
+        "name": "kube-root-ca.crt",
+        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+    }
+    mounts = [
+        (c["name"], m)
+        for c in all_containers(spec)
+        for m in c.get("volumeMounts", [])
+        if m["name"] == "kube-api-access"
+    ]
+    assert [(n, m["mountPath"], m["readOnly"]) for n, m in mounts] == [
+        ("collector", "/var/run/secrets/kubernetes.io/serviceaccount", True)
+    ]
+    # The collector's own command line leaves Kubernetes on (in-cluster configuration).
+    (collector,) = spec["containers"]
+    assert "--no-kubernetes" not in collector["args"]
+    assert "--kubeconfig" not in collector["args"]
 
 
 def otlp_root() -> str:

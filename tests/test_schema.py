@@ -25,7 +25,9 @@ from collector.events import (
     DeviceLimit,
     Event,
     Heartbeat,
+    Identity,
     LayoutAnomaly,
+    PodIdentity,
     ProcessStarted,
     UnknownSchemaVersion,
     UsageRow,
@@ -55,6 +57,9 @@ def strategy(tp: Any) -> st.SearchStrategy[Any]:
     if origin is list:
         (item,) = typing.get_args(tp)
         return st.lists(strategy(item), max_size=3)
+    if origin is dict:
+        key, value = typing.get_args(tp)
+        return st.dictionaries(strategy(key), strategy(value), max_size=3)
     if origin in (typing.Union, types.UnionType):
         return st.one_of([strategy(a) for a in typing.get_args(tp)])
     if tp is type(None):
@@ -74,6 +79,7 @@ EVENTS = st.one_of([strategy(cls) for cls in EVENT_TYPES])
 def sample_events() -> list[Event]:
     dev = DeviceLimit(0, "GPU-0", 4 << 30, 50)
     r = UsageRow(1, 101, 0, 3 << 30, 1, 2, (3 << 30) - 3, 5 << 30, 77)
+    ident = Identity("p", "ml", "trainer-x", "Deployment", "trainer", {"team": "vision"})
     base: dict[str, Any] = {"v": SCHEMA_VERSION, "inc": 5, "seq": 0, "ts": 1_700_000_000_000}
     return [
         ContainerAppeared(**base, cid=0, pod_uid="p", container="c", path="/x", layout="v1.2",
@@ -85,7 +91,9 @@ def sample_events() -> list[Event]:
         LayoutAnomaly(**base, cid=3, path="/x", anomaly="over_limit", detail="d", device=0,
                       value=2**64 - 1),
         Heartbeat(**base, interval_ms=30_000, part=0, parts=1,
-                  containers=[ContainerState(0, "p", "c", "v1.2", [dev], [r])], scan_ms=1.5),
+                  containers=[ContainerState(0, "p", "c", "v1.2", [dev], [r])], scan_ms=1.5,
+                  pods=[ident]),
+        PodIdentity(**base, identity=ident),
     ]  # fmt: skip
 
 
@@ -162,10 +170,10 @@ def test_trailing_fields_of_a_newer_minor_evolution_are_ignored(event: Event) ->
 
 
 def test_older_message_without_defaulted_trailing_fields_decodes_with_defaults() -> None:
-    hb = sample_events()[-1]
+    hb = sample_events()[-2]
     assert isinstance(hb, Heartbeat)
     raw = msgspec.msgpack.decode(encode(hb))
     assert len(raw) == 1 + len(msgspec.structs.fields(Heartbeat))
-    # before scan_ms, files, spool_depth, dropped, log_blocked
-    older = msgspec.msgpack.encode(raw[:-5])
-    assert decode(older) == msgspec.structs.replace(hb, scan_ms=0.0)
+    # before scan_ms, files, spool_depth, dropped, log_blocked, pods
+    older = msgspec.msgpack.encode(raw[:-6])
+    assert decode(older) == msgspec.structs.replace(hb, scan_ms=0.0, pods=[])

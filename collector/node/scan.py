@@ -19,6 +19,7 @@ from ..layout.snapshot import Anomaly, Snapshot, empty_snapshot
 from .crosscheck import CrossCheck
 from .diff import FileState, diff
 from .discover import CacheFile, Discovery, ListingLimits, Skipped
+from .identity import IdentityStage
 
 HEARTBEAT_PART = 64  # containers per heartbeat message, to keep messages well under 1 MB
 
@@ -42,11 +43,13 @@ class Scanner:
         inc: int | None = None,
         crosscheck: CrossCheck | None = None,
         listing: ListingLimits | None = None,
+        identity: IdentityStage | None = None,
     ) -> None:
         self.discovery = Discovery(root, listing)
         self.heartbeat_ms = int(heartbeat_s * 1000)
         self.host_proc = host_proc
         self.crosscheck = crosscheck
+        self.identity = identity
         self.inc = secrets.randbits(31) if inc is None else inc
         self.seq = 0
         self.stats = ScanStats()
@@ -103,6 +106,8 @@ class Scanner:
         self._files = present
         if self.crosscheck is not None:
             events += self.crosscheck.check(self._ts, self._files.values(), self._stamp)
+        if self.identity is not None:
+            events += self.identity.process(self._files.values(), self._stamp)
 
         elapsed_ms = (time.perf_counter() - started) * 1000
         self.stats.scans += 1
@@ -172,6 +177,7 @@ class Scanner:
                 spool_depth=spool_depth,
                 dropped=dropped,
                 log_blocked=log_blocked,
+                pods=self.identity.restate(part) if self.identity is not None else [],
             )
             for i, part in enumerate(parts)
         ]

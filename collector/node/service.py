@@ -14,14 +14,17 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..events import Event, encode
 from ..transport.kafka import KafkaForwarder, ProducerSettings
 from ..transport.locallog import LocalLog
 from .crosscheck import CrossCheck, DriftTolerance
 from .discover import ListingLimits
-from .metrics import Health, MetricsServer, PodNames, Scrape
+from .identity import IdentityStage
+from .metrics import Health, KubeHealth, MetricsServer, PodNames, Scrape
 from .nvml import NvmlSource
+from .podwatch import KubeSettings, PodWatch, open_api
 from .scan import Scanner
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ class CollectSettings:
     metrics_hami: bool = False  # also serve HAMi's vGPU monitor's metric names
     metrics_hami_legacy: bool = False  # and the names HAMi served before v2.5
     listing: ListingLimits = ListingLimits()
+    kube: KubeSettings | None = None  # the pod watch; None: no Kubernetes (no names)
 
 
 @dataclass
@@ -60,8 +64,14 @@ class CollectorStatus:
 
 
 class Collector:
-    def __init__(self, settings: CollectSettings) -> None:
+    def __init__(self, settings: CollectSettings, *, kube_api: Any = None) -> None:
         self.settings = settings
+        self.kube_api = kube_api
+        self.podwatch: PodWatch | None = None
+        identity = None
+        if kube_api is not None and settings.kube is not None:
+            watch = self.podwatch = PodWatch(kube_api, settings.node, settings.kube)
+            identity = IdentityStage(lambda: watch.view)
         crosscheck = None
         source = NvmlSource.open(log, timeout_s=settings.nvml_timeout_s) if settings.nvml else None
         if source is not None:
@@ -77,6 +87,7 @@ class Collector:
             host_proc=settings.host_proc,
             crosscheck=crosscheck,
             listing=settings.listing,
+            identity=identity,
         )
         self.log = LocalLog(
             settings.log_dir, max_bytes=settings.log_max_bytes, fsync=settings.fsync
@@ -96,8 +107,8 @@ class Collector:
         self._last_scan = time.monotonic()
         self.stopping = asyncio.Event()
         self._key = settings.node.encode()
-        # pod UID -> (namespace, name) for /metrics; unknown until something resolves them.
-        self.pod_names: PodNames = lambda pod_uid: None
+        # pod UID -> (namespace, name) for /metrics: what the identity stage last sent.
+        self.pod_names: PodNames = self._pod_name
 
     def _append(self, events: list[Event]) -> None:
         for event in events:
@@ -167,10 +178,37 @@ class Collector:
             log_blocked=self.status.log_blocked,
             log_blocked_episodes=self.log.stats.blocked_episodes,
             log_write_errors=self.log.stats.write_errors,
+            kube=self._kube_health(),
         )
+
+    def _kube_health(self) -> KubeHealth | None:
+        identity, watch = self.scanner.identity, self.podwatch
+        if identity is None or watch is None:
+            return None
+        st = watch.stats
+        return KubeHealth(
+            unnamed_containers=identity.unnamed,
+            connected=int(st.connected),
+            watch_events=st.events,
+            bookmarks=st.bookmarks,
+            lists=st.lists,
+            relists=st.relists,
+            errors=st.errors,
+            auth_errors=st.auth_errors,
+            throttled=st.throttled,
+            owner_errors=st.owner_errors,
+        )
+
+    def _pod_name(self, pod_uid: str) -> tuple[str, str] | None:
+        identity = self.scanner.identity
+        known = identity.sent.get(pod_uid) if identity is not None else None
+        return (known.namespace, known.pod) if known is not None else None
 
     async def run(self) -> None:
         forward = asyncio.create_task(self.forwarder.run(self.stopping)) if self.forwarder else None
+        watch = asyncio.create_task(self.podwatch.run()) if self.podwatch is not None else None
+        if watch is not None:
+            watch.add_done_callback(_watch_ended)
         self.metrics: MetricsServer | None = None
         if self.settings.metrics_port is not None:
             self.metrics = MetricsServer(
@@ -207,6 +245,12 @@ class Collector:
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
         finally:
             self.stopping.set()
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+            if self.kube_api is not None:
+                await self.kube_api.close()
             if self.metrics is not None:
                 await self.metrics.stop()
             if forward is not None and self.forwarder is not None:
@@ -245,8 +289,16 @@ class Collector:
         await fwd.drain(max(0.0, deadline - time.monotonic()))
 
 
+def _watch_ended(task: asyncio.Task[None]) -> None:
+    # run() retries every failure it knows; anything else is a bug, and names stop coming.
+    if not task.cancelled() and task.exception() is not None:
+        log.error("pod watch stopped: pod names are no longer updated", exc_info=task.exception())
+
+
 async def collect(settings: CollectSettings) -> Collector:
-    collector = Collector(settings)
+    """Raises KubeConfigError before anything starts when the pod watch cannot be configured."""
+    api = await open_api(settings.kube) if settings.kube is not None else None
+    collector = Collector(settings, kube_api=api)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, collector.stopping.set)

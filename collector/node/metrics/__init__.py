@@ -1,7 +1,7 @@
 """The collector's optional Prometheus endpoint: `/metrics` (see `catalog`) and `/healthz`."""
 
 from .catalog import HAMI, LEGACY, OWN, Metric
-from .families import Health, PodNames, Published, Scrape, families
+from .families import Health, KubeHealth, PodNames, Published, Scrape, families
 from .server import MetricsServer
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "LEGACY",
     "OWN",
     "Health",
+    "KubeHealth",
     "Metric",
     "MetricsServer",
     "PodNames",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Kind = Literal["gauge", "counter"]
-Scope = Literal["container", "gpu", "mig", "health", "build"]
+Scope = Literal["container", "gpu", "mig", "health", "kube", "build"]
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,49 @@ OWN: tuple[Metric, ...] = (
     Metric(
         "hami_usage_log_write_errors_total", "counter", "errors", "health", (),
         "failed writes to the local log (each retried)", _get("log_write_errors"),
+    ),
+    Metric(
+        "hami_usage_unnamed_containers", "gauge", "containers", "kube", (),
+        "containers tracked whose pod the pod watch does not know (billed without a namespace)",
+        _get("unnamed_containers"),
+    ),
+    Metric(
+        "hami_usage_kube_connected", "gauge", "", "kube", (),
+        "1 while the pod watch is connected to the API server", _get("connected"),
+    ),
+    Metric(
+        "hami_usage_kube_watch_events_total", "counter", "events", "kube", (),
+        "pod watch events (ADDED, MODIFIED, DELETED)", _get("watch_events"),
+    ),
+    Metric(
+        "hami_usage_kube_bookmarks_total", "counter", "events", "kube", (),
+        "pod watch BOOKMARK events", _get("bookmarks"),
+    ),
+    Metric(
+        "hami_usage_kube_lists_total", "counter", "requests", "kube", (),
+        "complete lists of the node's pods", _get("lists"),
+    ),
+    Metric(
+        "hami_usage_kube_relists_total", "counter", "requests", "kube", (),
+        "lists again because the watch's resourceVersion was too old (410 Gone)",
+        _get("relists"),
+    ),
+    Metric(
+        "hami_usage_kube_errors_total", "counter", "requests", "kube", (),
+        "failed API requests and dropped watches, all causes", _get("errors"),
+    ),
+    Metric(
+        "hami_usage_kube_auth_errors_total", "counter", "requests", "kube", (),
+        "API requests refused (401 Unauthorized, 403 Forbidden)", _get("auth_errors"),
+    ),
+    Metric(
+        "hami_usage_kube_throttled_total", "counter", "requests", "kube", (),
+        "API requests throttled (429, retried after Retry-After)", _get("throttled"),
+    ),
+    Metric(
+        "hami_usage_kube_owner_errors_total", "counter", "requests", "kube", (),
+        "failed reads of a ReplicaSet, Job or Namespace (names by convention meanwhile)",
+        _get("owner_errors"),
     ),
     Metric(
         "hami_usage_build_info", "gauge", "", "build", ("version",),

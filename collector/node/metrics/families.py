@@ -46,10 +46,27 @@ class Health:
     log_blocked: str | None = None  # why the local log refuses events now (an episode)
     log_blocked_episodes: int = 0
     log_write_errors: int = 0
+    kube: KubeHealth | None = None  # None: the pod watch is off
 
     @property
     def log_blocked_now(self) -> int:
         return int(self.log_blocked is not None)
+
+
+@dataclass(frozen=True)
+class KubeHealth:
+    """The pod watch's state (collector/node/podwatch.py), and the names it gave."""
+
+    unnamed_containers: int  # tracked containers whose pod is not known
+    connected: int  # 1 while the watch is connected
+    watch_events: int
+    bookmarks: int
+    lists: int
+    relists: int  # after 410 Gone
+    errors: int
+    auth_errors: int  # 401/403
+    throttled: int  # 429
+    owner_errors: int
 
 
 @dataclass(frozen=True)
@@ -190,6 +207,8 @@ def families(scrape: Scrape) -> list[Metric]:
     for context, dev in _gpu_series(scrape):
         add("gpu", context, dev)
     add("health", {}, scrape.health)
+    if scrape.health.kube is not None:
+        add("kube", {}, scrape.health.kube)
     add("build", _build_context(), None)
     return list(out.values())
 

@@ -1,0 +1,91 @@
+"""Processor: who each tracked container belongs to, as events in the stream.
+
+Runs in the scan (worker thread) after the diff. It reads the pod watch's view (replaced whole
+by the watch, never mutated, so no lock) and emits
+
+* `PodIdentity` when the identity of a pod with a tracked container becomes known or changes;
+  the last one sent is kept while a container of the pod is tracked, also after the pod is
+  deleted or forgotten by the watch, and restated in every heartbeat;
+* `LayoutAnomaly(allocation_mismatch)` when HAMi's allocation annotation and the limits in the
+  container's cache file disagree (or the annotation does not parse), once while it persists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ..events import ContainerState, Event, Identity, LayoutAnomaly, PodIdentity
+from . import allocation
+from .diff import FileState, Stamp
+from .pods import PodView
+
+ALLOCATION_MISMATCH = "allocation_mismatch"
+
+
+class IdentityStage:
+    def __init__(self, view: Callable[[], Mapping[str, PodView]]) -> None:
+        self._view = view
+        self.sent: dict[str, Identity] = {}  # pod uid -> the identity last sent
+        self._alloc: dict[int, tuple[Any, Any, str | None]] = {}  # cid -> (view, devices, detail)
+        self.unnamed = 0  # tracked containers whose pod is not known (gauge)
+
+    def process(self, files: Iterable[FileState], stamp: Stamp) -> list[Event]:
+        view = self._view()
+        events: list[Event] = []
+        pods: set[str] = set()
+        cids: set[int] = set()
+        unnamed = 0
+        for st in files:
+            if not st.appeared:
+                continue
+            uid = st.pod_uid
+            pods.add(uid)
+            pv = view.get(uid)
+            if pv is None:
+                if uid not in self.sent:
+                    unnamed += 1
+                continue
+            if self.sent.get(uid) != pv.identity:
+                self.sent[uid] = pv.identity
+                events.append(stamp(PodIdentity, identity=pv.identity))
+            if not st.unobserved:
+                cids.add(st.cid)
+                self._check(st, pv, stamp, events)
+        for uid in self.sent.keys() - pods:
+            del self.sent[uid]
+        for cid in self._alloc.keys() - cids:
+            del self._alloc[cid]
+        self.unnamed = unnamed
+        return events
+
+    def _check(self, st: FileState, pv: PodView, stamp: Stamp, events: list[Event]) -> None:
+        seen = self._alloc.get(st.cid)
+        if seen is not None and seen[0] is pv and seen[1] is st.devices:
+            return  # neither side changed since the last check
+        detail: str | None = None
+        if pv.allocation_error is not None:
+            detail = f"{allocation.ANNOTATION} does not parse: {pv.allocation_error}"
+        elif pv.allocation is not None and st.container in pv.containers:
+            index = pv.containers.index(st.container)
+            allocated = pv.allocation[index] if index < len(pv.allocation) else []
+            found = allocation.mismatch(allocated, st.devices)
+            if found is not None:
+                detail = f"container {st.container} (index {index}): {found}"
+        previous = seen[2] if seen is not None else None
+        self._alloc[st.cid] = (pv, st.devices, detail)
+        if detail is not None and detail != previous:
+            events.append(
+                stamp(
+                    LayoutAnomaly,
+                    cid=st.cid,
+                    path=st.path,
+                    anomaly=ALLOCATION_MISMATCH,
+                    detail=detail,
+                )
+            )
+
+    def restate(self, states: Iterable[ContainerState]) -> list[Identity]:
+        """The known identities of the pods of these containers, for a heartbeat part."""
+        uids = sorted({s.pod_uid for s in states})
+        return [self.sent[u] for u in uids if u in self.sent]

@@ -1,0 +1,106 @@
+"""The part of the Kubernetes API objects the pod watch reads, decoded with msgspec.
+
+Only these fields are decoded (unknown ones are skipped without building objects), which is what
+keeps watch handling cheap: a real pod is 5-20 KB of JSON, mostly fields nobody here needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from ..events import Identity
+from .allocation import Allocation
+
+
+class OwnerReference(msgspec.Struct, frozen=True, rename="camel"):
+    kind: str = ""
+    name: str = ""
+    uid: str = ""
+    controller: bool = False
+
+
+class ObjectMeta(msgspec.Struct, frozen=True, rename="camel"):
+    name: str = ""
+    namespace: str = ""
+    uid: str = ""
+    resource_version: str = ""
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    owner_references: list[OwnerReference] = []
+    deletion_timestamp: str | None = None
+
+    def controller(self) -> OwnerReference | None:
+        """The managing owner (`controller: true`), else the first owner, else None."""
+        refs = self.owner_references
+        for ref in refs:
+            if ref.controller:
+                return ref
+        return refs[0] if refs else None
+
+
+class ContainerSpec(msgspec.Struct, frozen=True):
+    name: str = ""
+
+
+class PodSpec(msgspec.Struct, frozen=True, rename="camel"):
+    node_name: str = ""
+    containers: list[ContainerSpec] = []
+
+
+class PodStatus(msgspec.Struct, frozen=True):
+    phase: str = ""
+
+
+class Pod(msgspec.Struct, frozen=True):
+    metadata: ObjectMeta = ObjectMeta()
+    spec: PodSpec = PodSpec()
+    status: PodStatus = PodStatus()
+
+
+class ListMeta(msgspec.Struct, frozen=True, rename="camel"):
+    resource_version: str = ""
+    continue_: str = msgspec.field(default="", name="continue")
+
+
+class PodList(msgspec.Struct, frozen=True):
+    metadata: ListMeta = ListMeta()
+    items: list[Pod] = []
+
+
+class Object(msgspec.Struct, frozen=True):
+    """An object of which only the metadata matters: a ReplicaSet or a Job (its owner), a
+    Namespace (its labels), the object of a BOOKMARK (its resourceVersion)."""
+
+    metadata: ObjectMeta = ObjectMeta()
+
+
+class Status(msgspec.Struct, frozen=True):
+    """The object of a watch ERROR event and the body of a failed request."""
+
+    code: int = 0
+    reason: str = ""
+    message: str = ""
+
+
+class WatchEvent(msgspec.Struct, frozen=True):
+    type: str
+    object: msgspec.Raw
+
+
+@dataclass(frozen=True)
+class PodView:
+    identity: Identity
+    containers: tuple[str, ...]  # spec.containers names, in order (the annotation's index)
+    allocation: Allocation | None  # None: no annotation, or it does not parse
+    allocation_error: str | None
+    deleted: bool = False
+    deleted_at: float = 0.0  # monotonic
+
+
+pod_decoder = msgspec.json.Decoder(Pod)
+pod_list_decoder = msgspec.json.Decoder(PodList)
+object_decoder = msgspec.json.Decoder(Object)
+status_decoder = msgspec.json.Decoder(Status)
+event_decoder = msgspec.json.Decoder(WatchEvent)

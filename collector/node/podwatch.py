@@ -1,0 +1,553 @@
+"""Source: the pods of this node from the Kubernetes API server (list + watch).
+
+`kubernetes_asyncio` does the talking: configuration (in-cluster service account or a
+kubeconfig, with its token refresh, exec plugins and client certificates), TLS, and building
+each request from its typed parameters. This module follows the list/watch protocol itself:
+
+* list `/api/v1/pods?fieldSelector=spec.nodeName=<node>` in pages (`limit`, `continue`), then
+  watch from the list's `resourceVersion` with `allowWatchBookmarks`, a server-side
+  `timeoutSeconds`, and re-watch from the last version seen (an event's or a BOOKMARK's) when the
+  server ends the stream;
+* `410 Gone` (as a status, or as an ERROR event in the stream) means that version is too old:
+  list again at once;
+* any other failure (refused or dropped connection, a 5xx, a malformed line) is retried with
+  tenacity's exponential back-off with jitter, `429 Too Many Requests` after its `Retry-After`;
+  401/403 the same, with one clear log line per episode and a counter; nothing is raised out of
+  `run()` but cancellation.
+
+The library's own `Watch` helper is not used: it deserialises every event into the generated
+model (the cost of a watch on a busy node) and retries a 410 with the same stale version. The
+response is read as it streams and only the needed fields are decoded (`pods.py`).
+
+What the watch learns is published as `view`: pod UID -> `PodView`, replaced whole on each
+change so that the scan thread can read it without a lock. A deleted pod stays in the view,
+marked deleted, for `keep_deleted_s`: its containers may still be running and billed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import ClientResponse
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+from tenacity.wait import wait_base, wait_exponential, wait_random
+
+from ..events import Identity
+from . import allocation
+from .pods import (
+    ObjectMeta,
+    Pod,
+    PodView,
+    event_decoder,
+    object_decoder,
+    pod_decoder,
+    pod_list_decoder,
+    status_decoder,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_LINE = 16 * 1024 * 1024  # one watch event; the API server's own limit is about 3 MiB
+
+
+@dataclass(frozen=True)
+class KubeSettings:
+    kubeconfig: str | None = None  # None: the in-cluster service account
+    pod_labels: tuple[str, ...] = ()
+    namespace_labels: tuple[str, ...] = ()
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    retry_after_max_s: float = 300.0  # a longer Retry-After is cut to this
+    watch_timeout_s: int = 300  # timeoutSeconds of one watch request
+    request_timeout_s: float = 10.0  # a list page or a get
+    page_size: int = 500
+    owner_ttl_s: float = 3600.0  # a resolved ReplicaSet/Job owner is asked again after this
+    namespace_ttl_s: float = 300.0  # namespace labels are read again after this
+    keep_deleted_s: float = 600.0
+
+
+@dataclass
+class WatchStats:
+    lists: int = 0
+    relists: int = 0  # 410 Gone
+    watches: int = 0
+    events: int = 0
+    bookmarks: int = 0
+    errors: int = 0  # every failed request or dropped stream, all kinds
+    auth_errors: int = 0  # 401/403
+    throttled: int = 0  # 429
+    owner_lookups: int = 0
+    owner_errors: int = 0
+    connected: bool = False
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(f"{status} {message}".strip())
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+class Gone(Exception):
+    """410: the resourceVersion is too old; list again."""
+
+
+class MalformedResponse(Exception):
+    pass
+
+
+RETRYABLE = (
+    ApiError,
+    MalformedResponse,
+    aiohttp.ClientError,
+    asyncio.TimeoutError,
+    OSError,
+    msgspec.DecodeError,
+)
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    value = headers.get("Retry-After", "")
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # an HTTP date, or garbage: the back-off decides
+
+
+async def _raw(call: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> ClientResponse:
+    """Call a generated API method for its raw response (`_preload_content=False`): the body
+    is decoded here, and a non-2xx status is not raised by the library."""
+    resp: ClientResponse = await call(*args, _preload_content=False, **kwargs)
+    return resp
+
+
+async def _failure(resp: ClientResponse) -> ApiError | Gone:
+    body = await resp.read()
+    message = resp.reason or ""
+    try:
+        status = status_decoder.decode(body)
+        message = status.message or status.reason or message
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    if resp.status == 410:
+        return Gone(message)
+    return ApiError(resp.status, message[:200], _retry_after(resp.headers))
+
+
+class _Wait(wait_base):
+    """Retry-After when the server gave one, else exponential back-off with jitter."""
+
+    def __init__(self, settings: KubeSettings) -> None:
+        self.cap = settings.retry_after_max_s
+        initial, cap = settings.backoff_initial_s, settings.backoff_max_s
+        self.backoff = wait_exponential(multiplier=initial, max=cap) + wait_random(0, initial)
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        if isinstance(exc, ApiError) and exc.retry_after is not None:
+            return min(exc.retry_after, self.cap)
+        return float(self.backoff(retry_state))
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, ApiError):
+        return f"HTTP {exc}"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+class Owners:
+    """Workload of a pod: its controller, one level further for a ReplicaSet (its Deployment)
+    and a Job (its CronJob), read with `get` and cached by the owner's UID. When the get fails
+    (no RBAC, a deleted ReplicaSet) a ReplicaSet falls back to the naming convention
+    `<deployment>-<pod-template-hash>`, a Job stays a Job; the fallback is retried later."""
+
+    def __init__(self, api: Any, settings: KubeSettings, stats: WatchStats) -> None:
+        from kubernetes_asyncio.client import AppsV1Api, BatchV1Api
+
+        self._apps = AppsV1Api(api)
+        self._batch = BatchV1Api(api)
+        self._settings = settings
+        self._stats = stats
+        self._cache: dict[str, tuple[float, tuple[str, str]]] = {}
+        self._warned: set[str] = set()
+
+    async def workload(self, meta: ObjectMeta, now: float) -> tuple[str, str]:
+        ref = meta.controller()
+        if ref is None:
+            return ("Pod", meta.name)
+        if ref.kind not in ("ReplicaSet", "Job"):
+            return (ref.kind, ref.name)
+        hit = self._cache.get(ref.uid)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        ttl = self._settings.owner_ttl_s
+        try:
+            parent = await self._get(ref.kind, meta.namespace, ref.name)
+            result = (parent.kind, parent.name) if parent is not None else (ref.kind, ref.name)
+        except (*RETRYABLE, Gone) as exc:
+            self._stats.owner_errors += 1
+            if ref.kind not in self._warned:
+                self._warned.add(ref.kind)
+                log.warning(
+                    "cannot read %s %s/%s (%s): naming its pods by convention until it can be",
+                    ref.kind,
+                    meta.namespace,
+                    ref.name,
+                    describe(exc),
+                )
+            result = _by_convention(ref.kind, ref.name, meta.labels)
+            ttl = min(ttl, 60.0)
+        if len(self._cache) > 4096:
+            self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
+        self._cache[ref.uid] = (now + ttl, result)
+        return result
+
+    async def _get(self, kind: str, namespace: str, name: str) -> Any:
+        self._stats.owner_lookups += 1
+        read = (
+            self._apps.read_namespaced_replica_set
+            if kind == "ReplicaSet"
+            else self._batch.read_namespaced_job
+        )
+        resp = await _raw(
+            read,
+            name,
+            namespace,
+            _request_timeout=self._settings.request_timeout_s,
+        )
+        try:
+            if resp.status != 200:
+                raise await _failure(resp)
+            owner = object_decoder.decode(await resp.read()).metadata.controller()
+        finally:
+            resp.release()
+        if owner is not None and owner.kind in ("Deployment", "CronJob"):
+            return owner
+        return None
+
+
+def _by_convention(kind: str, name: str, labels: Mapping[str, str]) -> tuple[str, str]:
+    suffix = "-" + labels.get("pod-template-hash", "\0")
+    if kind == "ReplicaSet" and name.endswith(suffix) and len(name) > len(suffix):
+        return ("Deployment", name[: -len(suffix)])
+    return (kind, name)
+
+
+class NamespaceLabels:
+    """The allowlisted labels of a namespace, read with `get` and cached for a while."""
+
+    def __init__(self, api: Any, settings: KubeSettings, stats: WatchStats) -> None:
+        from kubernetes_asyncio.client import CoreV1Api
+
+        self._core = CoreV1Api(api)
+        self._settings = settings
+        self._stats = stats
+        self._cache: dict[str, tuple[float, dict[str, str]]] = {}
+
+    async def labels(self, namespace: str, now: float) -> dict[str, str]:
+        wanted = self._settings.namespace_labels
+        if not wanted:
+            return {}
+        hit = self._cache.get(namespace)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        ttl = self._settings.namespace_ttl_s
+        try:
+            resp = await _raw(
+                self._core.read_namespace,
+                namespace,
+                _request_timeout=self._settings.request_timeout_s,
+            )
+            try:
+                if resp.status != 200:
+                    raise await _failure(resp)
+                have = object_decoder.decode(await resp.read()).metadata.labels
+            finally:
+                resp.release()
+            found = {k: have[k] for k in wanted if k in have}
+        except (*RETRYABLE, Gone) as exc:
+            self._stats.owner_errors += 1
+            log.debug("namespace %s: %s", namespace, describe(exc))
+            found = hit[1] if hit is not None else {}
+            ttl = min(ttl, 60.0)
+        self._cache[namespace] = (now + ttl, found)
+        return found
+
+
+@dataclass
+class _Episode:
+    """The trouble being retried now, so that it is logged once, not on every attempt."""
+
+    what: str | None = None
+    since: float = field(default_factory=time.monotonic)
+
+
+class PodWatch:
+    def __init__(self, api: Any, node: str, settings: KubeSettings) -> None:
+        from kubernetes_asyncio.client import CoreV1Api
+
+        self.node = node
+        self.settings = settings
+        self.stats = WatchStats()
+        self.view: Mapping[str, PodView] = {}
+        self.resource_version: str | None = None
+        self._core = CoreV1Api(api)
+        self._owners = Owners(api, settings, self.stats)
+        self._namespaces = NamespaceLabels(api, settings, self.stats)
+        self._selector = f"spec.nodeName={node}"
+        self._episode = _Episode()
+        self.synced = asyncio.Event()  # set after the first complete list
+
+    # --- the protocol ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """List and watch until cancelled."""
+        while True:
+            retrying = AsyncRetrying(
+                wait=_Wait(self.settings),
+                retry=retry_if_exception_type(RETRYABLE),
+                before_sleep=self._failed,
+                reraise=True,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    await self._session()
+
+    async def _session(self) -> None:
+        """One list (when there is no version to resume from) and one watch request."""
+        try:
+            if self.resource_version is None:
+                await self._list()
+            await self._watch(self.resource_version or "")
+        except Gone:
+            self.stats.relists += 1
+            log.info("pod watch: resourceVersion %s is too old (410): listing again",
+                     self.resource_version)  # fmt: skip
+            self.resource_version = None
+
+    async def _list(self) -> None:
+        pods: list[Pod] = []
+        token = ""
+        version = ""
+        while True:
+            more = {"_continue": token} if token else {}
+            resp = await _raw(
+                self._core.list_pod_for_all_namespaces,
+                field_selector=self._selector,
+                limit=self.settings.page_size,
+                _request_timeout=self.settings.request_timeout_s,
+                **more,
+            )
+            try:
+                if resp.status != 200:
+                    raise await _failure(resp)
+                page = pod_list_decoder.decode(await resp.read())
+            finally:
+                resp.release()
+            pods += page.items
+            version = page.metadata.resource_version
+            token = page.metadata.continue_
+            if not token:
+                break
+        self.stats.lists += 1
+        self._recovered()
+        now = time.monotonic()
+        listed = {p.metadata.uid for p in pods}
+        view = dict(self.view)
+        for uid, pv in list(view.items()):
+            if uid not in listed and not pv.deleted:
+                view[uid] = _deleted(pv, now)  # deleted while we were not watching
+        for pod in pods:
+            view[pod.metadata.uid] = await self._view_of(pod, view.get(pod.metadata.uid), now)
+        self.view = self._pruned(view, now)
+        self.resource_version = version
+        self.synced.set()
+
+    async def _watch(self, version: str) -> None:
+        resp = await _raw(
+            self._core.list_pod_for_all_namespaces,
+            field_selector=self._selector,
+            watch=True,
+            resource_version=version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=self.settings.watch_timeout_s,
+            # No total bound (the stream is long-lived); a silent connection is a dead one.
+            _request_timeout=aiohttp.ClientTimeout(
+                sock_connect=self.settings.request_timeout_s,
+                sock_read=self.settings.watch_timeout_s + self.settings.request_timeout_s,
+            ),
+        )
+        try:
+            if resp.status != 200:
+                raise await _failure(resp)
+            self.stats.watches += 1
+            self.stats.connected = True
+            buf = bytearray()
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                start = 0
+                while (end := buf.find(b"\n", start)) >= 0:
+                    line = bytes(buf[start:end])
+                    start = end + 1
+                    if line.strip():
+                        await self._event(line)
+                        if self._episode.what is not None:
+                            self._recovered()  # an event was understood: really back
+                del buf[:start]
+                if len(buf) > MAX_LINE:
+                    raise MalformedResponse(f"a watch event longer than {MAX_LINE} bytes")
+            if buf.strip():
+                await self._event(bytes(buf))
+            if self._episode.what is not None:
+                self._recovered()
+        finally:
+            resp.release()
+
+    async def _event(self, line: bytes) -> None:
+        ev = event_decoder.decode(line)
+        kind = ev.type
+        if kind == "BOOKMARK":
+            self.stats.bookmarks += 1
+            self.resource_version = object_decoder.decode(ev.object).metadata.resource_version
+            return
+        if kind == "ERROR":
+            status = status_decoder.decode(ev.object)
+            if status.code == 410:
+                raise Gone(status.message)
+            raise ApiError(status.code, status.message or status.reason)
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            raise MalformedResponse(f"unknown watch event type {kind[:40]!r}")
+        self.stats.events += 1
+        pod = pod_decoder.decode(ev.object)
+        meta = pod.metadata
+        now = time.monotonic()
+        old = self.view.get(meta.uid)
+        if kind == "DELETED":
+            new = _deleted(old, now) if old is not None else None
+        else:
+            new = await self._view_of(pod, old, now)
+        if new is not None and new != old:
+            view = dict(self.view)
+            view[meta.uid] = new
+            self.view = self._pruned(view, now)
+        if meta.resource_version:
+            self.resource_version = meta.resource_version
+
+    # --- what a pod is -----------------------------------------------------------------------
+
+    async def _view_of(self, pod: Pod, old: PodView | None, now: float) -> PodView:
+        meta = pod.metadata
+        kind, name = await self._owners.workload(meta, now)
+        labels = await self._namespaces.labels(meta.namespace, now)
+        labels = {**labels, **{k: meta.labels[k] for k in self.settings.pod_labels
+                               if k in meta.labels}}  # fmt: skip
+        identity = Identity(
+            pod_uid=meta.uid,
+            namespace=meta.namespace,
+            pod=meta.name,
+            workload_kind=kind,
+            workload=name,
+            labels=dict(sorted(labels.items())),
+        )
+        text = meta.annotations.get(allocation.ANNOTATION)
+        alloc: allocation.Allocation | None = None
+        error = None
+        if text is not None:
+            try:
+                alloc = allocation.parse(text)
+            except allocation.AllocationError as exc:
+                error = str(exc)
+        containers = tuple(c.name for c in pod.spec.containers)
+        view = PodView(identity, containers, alloc, error)
+        if old is not None and old == view:
+            return old
+        return view
+
+    def _pruned(self, view: dict[str, PodView], now: float) -> dict[str, PodView]:
+        keep = self.settings.keep_deleted_s
+        return {uid: pv for uid, pv in view.items() if not pv.deleted or now - pv.deleted_at < keep}
+
+    # --- trouble -------------------------------------------------------------------------------
+
+    def _failed(self, retry_state: RetryCallState) -> None:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        if exc is None:
+            return
+        stats = self.stats
+        stats.errors += 1
+        stats.connected = False
+        what = describe(exc)
+        if isinstance(exc, ApiError) and exc.status in (401, 403):
+            stats.auth_errors += 1
+            kind = "auth"
+        elif isinstance(exc, ApiError) and exc.status == 429:
+            stats.throttled += 1
+            kind = "throttled"
+        else:
+            kind = "error"
+        if self._episode.what == kind:
+            return
+        self._episode = _Episode(kind)
+        if kind == "auth":
+            log.error(
+                "kubernetes API refused the collector's credentials (%s): pod names stay "
+                "unknown until the service account may get/list/watch pods; retrying",
+                what,
+            )
+        elif kind == "throttled":
+            log.warning("kubernetes API is throttling the pod watch (%s): waiting", what)
+        else:
+            log.warning(
+                "kubernetes API: %s; retrying with back-off (usage is still collected, "
+                "names of new pods wait)",
+                what,
+            )
+
+    def _recovered(self) -> None:
+        self.stats.connected = True
+        if self._episode.what is not None:
+            log.info(
+                "kubernetes API answers again after %.0f s: watching the pods of node %s",
+                time.monotonic() - self._episode.since,
+                self.node,
+            )
+            self._episode = _Episode()
+
+
+def _deleted(pv: PodView, now: float) -> PodView:
+    if pv.deleted:
+        return pv
+    return PodView(pv.identity, pv.containers, pv.allocation, pv.allocation_error, True, now)
+
+
+async def open_api(settings: KubeSettings) -> Any:
+    """An ApiClient from the kubeconfig, else from the in-cluster service account. Raises
+    KubeConfigError with a one-line message when the configuration cannot be used."""
+    from kubernetes_asyncio.client import ApiClient, Configuration
+    from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
+
+    cfg = Configuration()
+    try:
+        if settings.kubeconfig:
+            await load_kube_config(
+                config_file=settings.kubeconfig, client_configuration=cfg, persist_config=False
+            )
+        else:
+            load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    except (ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
+        where = settings.kubeconfig or "in-cluster service account"
+        raise KubeConfigError(f"kubernetes configuration ({where}): {exc}") from None
+    return ApiClient(configuration=cfg)
+
+
+class KubeConfigError(Exception):
+    """The kubeconfig or the in-cluster configuration cannot be used (one line)."""

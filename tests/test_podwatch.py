@@ -1,0 +1,318 @@
+"""The pod watch (collector/node/podwatch.py) with the real kubernetes_asyncio client against the
+API server stand-in (tests/kube_apiserver.py) over HTTP, configured by a kubeconfig file.
+
+Covers the list/watch protocol (pages, resourceVersion, BOOKMARK, 410 Gone as an ERROR event
+and as a status, dropped streams, an unreachable server, 401, 403, 429 with Retry-After) and
+what is learnt per pod (namespace, name, workload through ReplicaSet/Job owners, labels,
+allocation annotation, deletion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kube_apiserver import ApiServer, make_pod
+
+from collector.events import Identity
+from collector.node.allocation import AllocatedDevice
+from collector.node.podwatch import KubeConfigError, KubeSettings, PodWatch, open_api
+
+NODE = "node-a"
+FAST = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2, "request_timeout_s": 2.0}
+
+
+@pytest.fixture
+def server() -> Iterator[ApiServer]:
+    srv = ApiServer(node=NODE, bookmark_every_s=0.2).start()
+    srv.add_namespace("ml", {"cost-center": "cc-17"})
+    srv.add_namespace("web", {"cost-center": "cc-02"})
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+@contextlib.asynccontextmanager
+async def watching(
+    server: ApiServer, tmp_path: Path, token: str | None = None, **settings: Any
+) -> AsyncIterator[PodWatch]:
+    kube = KubeSettings(
+        kubeconfig=str(server.kubeconfig(tmp_path / "kubeconfig", token)),
+        **{**FAST, "pod_labels": ("team",), "namespace_labels": ("cost-center",), **settings},
+    )
+    api = await open_api(kube)
+    watch = PodWatch(api, NODE, kube)
+    task = asyncio.create_task(watch.run())
+    try:
+        yield watch
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await api.close()
+
+
+async def until(what: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def names(watch: PodWatch) -> dict[str, tuple[str, str, str, str, dict[str, str]]]:
+    return {
+        uid: (i.namespace, i.pod, i.workload_kind, i.workload, i.labels)
+        for uid, pv in watch.view.items()
+        for i in [pv.identity]
+    }
+
+
+async def test_list_then_watch_resolves_every_kind_of_workload(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    dep = server.add_deployment_pod("ml", "trainer", ["main"], labels={"team": "vision"})
+    cron = server.add_cronjob_pod("ml", "nightly-eval", ["eval"])
+    sts = server.add_owned_pod("web", "StatefulSet", "db", "db-0", ["pg"], labels={"team": "x"})
+    ds = server.add_owned_pod("web", "DaemonSet", "agent", "agent-7x9", ["a"])
+    other = server.put_pod(make_pod("web", "elsewhere", "node-b", ["c"]))
+    async with watching(server, tmp_path, page_size=2) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        assert names(watch) == {
+            dep["metadata"]["uid"]: (
+                "ml",
+                dep["metadata"]["name"],
+                "Deployment",
+                "trainer",
+                {"cost-center": "cc-17", "team": "vision"},
+            ),
+            cron["metadata"]["uid"]: (
+                "ml",
+                cron["metadata"]["name"],
+                "CronJob",
+                "nightly-eval",
+                {"cost-center": "cc-17"},
+            ),
+            sts["metadata"]["uid"]: (
+                "web",
+                "db-0",
+                "StatefulSet",
+                "db",
+                {"cost-center": "cc-02", "team": "x"},
+            ),
+            ds["metadata"]["uid"]: (
+                "web",
+                "agent-7x9",
+                "DaemonSet",
+                "agent",
+                {"cost-center": "cc-02"},
+            ),
+        }
+        assert other["metadata"]["uid"] not in watch.view  # another node's pod
+        lists = [r for r in server.requests if r.path == "/api/v1/pods" and "watch" not in r.query]
+        assert [r.query.get("limit") for r in lists] == ["2", "2"]  # two pages of 2 (4 pods)
+        assert lists[1].query["continue"]
+        assert all(r.query["fieldSelector"] == f"spec.nodeName={NODE}" for r in lists)
+
+        bare = server.put_pod(make_pod("ml", "debug", NODE, ["sh"]))
+        await until(lambda: bare["metadata"]["uid"] in watch.view)
+        assert names(watch)[bare["metadata"]["uid"]] == (
+            "ml",
+            "debug",
+            "Pod",
+            "debug",
+            {"cost-center": "cc-17"},
+        )
+        (first_watch, *_) = server.watch_requests()
+        assert first_watch.query["allowWatchBookmarks"] in ("true", "True")
+        assert first_watch.query["resourceVersion"] == lists[-1].query.get(
+            "resourceVersion", first_watch.query["resourceVersion"]
+        )
+
+        server.relabel(dep["metadata"]["uid"], team="speech")
+        await until(lambda: names(watch)[dep["metadata"]["uid"]][4]["team"] == "speech")
+
+        server.delete_pod(dep["metadata"]["uid"])
+        await until(lambda: watch.view[dep["metadata"]["uid"]].deleted)
+        # Deleted, but its identity is kept: its container may still be running.
+        assert names(watch)[dep["metadata"]["uid"]][:4] == (
+            "ml",
+            dep["metadata"]["name"],
+            "Deployment",
+            "trainer",
+        )
+        assert watch.stats.lists == 1 and watch.stats.relists == 0
+        assert watch.stats.errors == 0 and watch.stats.connected
+
+
+async def test_watch_resumes_from_the_last_bookmark_without_listing_again(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    server.add_owned_pod("web", "StatefulSet", "db", "db-0", ["pg"])
+    async with watching(server, tmp_path, watch_timeout_s=1) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        other = server.put_pod(make_pod("web", "x", "node-b", ["c"]))
+        # Only another node's pod changed: this watch saw no event, only bookmarks, and the
+        # history before them is gone. A client that ignored bookmarks would get 410 now.
+        await until(lambda: watch.stats.bookmarks >= 2)
+        await until(lambda: watch.resource_version == other["metadata"]["resourceVersion"])
+        server.compact()
+        await until(lambda: watch.stats.watches >= 3)  # the server ends each after 1 s
+        assert watch.stats.relists == 0 and watch.stats.lists == 1
+        versions = [r.query["resourceVersion"] for r in server.watch_requests()]
+        assert versions[-1] == other["metadata"]["resourceVersion"]
+        assert all(r.query["timeoutSeconds"] == "1" for r in server.watch_requests())
+
+
+@pytest.mark.parametrize("as_status", [False, True], ids=["error-event", "http-410"])
+async def test_410_gone_lists_again_and_marks_pods_deleted_meanwhile(
+    server: ApiServer, tmp_path: Path, as_status: bool
+) -> None:
+    server.gone_as_status = as_status
+    kept = server.add_owned_pod("web", "StatefulSet", "db", "db-0", ["pg"])
+    lost = server.add_owned_pod("web", "StatefulSet", "db", "db-1", ["pg"])
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        server.go_down()
+        await until(lambda: not watch.stats.connected)
+        server.delete_pod(lost["metadata"]["uid"])
+        new = server.add_owned_pod("web", "StatefulSet", "db", "db-2", ["pg"])
+        server.bookmark_every_s = 60.0  # no bookmark can carry the watch past the compaction
+        server.compact()
+        server.come_up()
+        await until(lambda: new["metadata"]["uid"] in watch.view)
+        assert watch.stats.relists == 1 and watch.stats.lists == 2
+        assert watch.view[lost["metadata"]["uid"]].deleted
+        assert not watch.view[kept["metadata"]["uid"]].deleted
+
+
+async def test_dropped_streams_resume_from_the_last_version_seen(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    server.add_owned_pod("web", "StatefulSet", "db", "db-0", ["pg"])
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        for i in range(3):
+            pod = server.add_owned_pod("web", "StatefulSet", "db", f"db-{i + 1}", ["pg"])
+            await until(lambda p=pod: p["metadata"]["uid"] in watch.view)  # type: ignore[misc]
+            seen = watch.resource_version
+            server.drop_watches()
+            await until(lambda n=i: watch.stats.watches >= n + 2)  # type: ignore[misc]
+            assert int(server.watch_requests()[-1].query["resourceVersion"]) >= int(seen or 0)
+        assert watch.stats.errors >= 3
+        assert watch.stats.relists == 0 and watch.stats.lists == 1
+        assert len(watch.view) == 4
+
+
+async def test_unreachable_at_start_then_answers(
+    server: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "collector.node.podwatch")
+    pod = server.add_owned_pod("web", "DaemonSet", "agent", "agent-1", ["a"])
+    server.go_down()
+    async with watching(server, tmp_path) as watch:
+        await until(lambda: watch.stats.errors >= 5)
+        assert not watch.synced.is_set()
+        server.come_up()
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        assert pod["metadata"]["uid"] in watch.view
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # once per episode
+    assert "retrying with back-off" in warnings[0].getMessage()
+    assert any("answers again" in r.getMessage() for r in caplog.records)
+
+
+async def test_401_is_one_clear_line_and_a_counter_and_never_a_crash(
+    server: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "collector.node.podwatch")
+    server.add_owned_pod("web", "DaemonSet", "agent", "agent-1", ["a"])
+    async with watching(server, tmp_path, token="expired") as watch:
+        await until(lambda: watch.stats.auth_errors >= 4)
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1, errors
+        assert "refused the collector's credentials (HTTP 401 Unauthorized)" in errors[0]
+        server.token = "expired"  # the credentials become valid (a rotated token)
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        assert watch.stats.connected
+
+
+async def test_403_on_pods_is_reported_and_on_replicasets_falls_back_to_the_name(
+    server: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "collector.node.podwatch")
+    pod = server.add_deployment_pod("ml", "trainer", ["main"])
+    server.forbidden = {"pods", "replicasets"}
+    async with watching(server, tmp_path) as watch:
+        await until(lambda: watch.stats.auth_errors >= 2)
+        (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert "HTTP 403" in line and "cannot list resource" in line
+        server.forbidden = {"replicasets"}
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        identity: Identity = watch.view[pod["metadata"]["uid"]].identity
+        # No get on ReplicaSets: the Deployment by the pod-template-hash naming convention.
+        assert (identity.workload_kind, identity.workload) == ("Deployment", "trainer")
+        assert watch.stats.owner_errors == 1
+
+
+async def test_429_waits_for_retry_after(server: ApiServer, tmp_path: Path) -> None:
+    server.add_owned_pod("web", "DaemonSet", "agent", "agent-1", ["a"])
+    server.throttle = [1.0]
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        throttled, after = [r for r in server.requests if r.path == "/api/v1/pods"][:2]
+        assert throttled.status == 429 and after.status == 200
+        # Retry-After: 1 wins over the back-off (at most 0.2 s here).
+        assert after.at - throttled.at >= 0.95
+        assert watch.stats.throttled == 1
+
+
+async def test_allocation_annotation_is_decoded_per_container(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    text = "GPU-a,NVIDIA,4000,30:;;GPU-b,NVIDIA,8000,0:GPU-c,NVIDIA,1000,50:;"
+    ok = server.add_owned_pod(
+        "ml",
+        "StatefulSet",
+        "s",
+        "s-0",
+        ["a", "sidecar", "b"],
+        annotations={"hami.io/vgpu-devices-allocated": text},
+    )
+    bad = server.add_owned_pod(
+        "ml",
+        "StatefulSet",
+        "s",
+        "s-1",
+        ["a"],
+        annotations={"hami.io/vgpu-devices-allocated": "GPU-a,4000:;"},
+    )
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        view = watch.view[ok["metadata"]["uid"]]
+        assert view.containers == ("a", "sidecar", "b")
+        assert view.allocation == [
+            [AllocatedDevice("GPU-a", "NVIDIA", 4000, 30)],
+            [],
+            [
+                AllocatedDevice("GPU-b", "NVIDIA", 8000, 0),
+                AllocatedDevice("GPU-c", "NVIDIA", 1000, 50),
+            ],
+        ]
+        assert watch.view[bad["metadata"]["uid"]].allocation is None
+        assert "is not UUID,Type,MiB,cores" in (
+            watch.view[bad["metadata"]["uid"]].allocation_error or ""
+        )
+
+
+async def test_a_kubeconfig_that_cannot_be_used_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
+    with pytest.raises(KubeConfigError, match=r"^kubernetes configuration \(.*kubeconfig\): "):
+        await open_api(KubeSettings(kubeconfig=str(path)))
