@@ -179,8 +179,11 @@ def _build_context() -> dict[str, str]:
 
 
 def selected(scrape: Scrape) -> Sequence[catalog.Metric]:
+    own = catalog.OWN
+    if scrape.health.kube is None:  # no pod watch: no families of it, not even empty ones
+        own = tuple(m for m in own if m.scope != "kube")
     return (
-        *catalog.OWN,
+        *own,
         *(catalog.HAMI if scrape.hami else ()),
         *(catalog.LEGACY if scrape.legacy else ()),
     )
