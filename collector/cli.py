@@ -278,6 +278,8 @@ def _cmd_aggregate(args: argparse.Namespace) -> int:
         otlp=cfg.otlp,
         drain=cfg.drain,
         instance=cfg.instance,
+        health_port=cfg.health_port,
+        health_bind_address=cfg.health_bind_address,
     )
     if not cfg.kafka and not Path(cfg.log).is_dir():
         raise UsageError(f"hami-usage aggregate: --log {cfg.log}: not a directory")
@@ -346,7 +348,16 @@ REPLAY_FLAGS = [
     "csv",
     "jsonl",
 ]
-AGGREGATE_FLAGS = [*REPLAY_FLAGS, "billing_topic", "group", "otlp", "drain", "instance"]
+AGGREGATE_FLAGS = [
+    *REPLAY_FLAGS,
+    "billing_topic",
+    "group",
+    "otlp",
+    "drain",
+    "instance",
+    "health_port",
+    "health_bind_address",
+]
 COLLECT_FLAGS = [
     "root",
     "node",
@@ -519,6 +530,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topic", help="usage topic (default hami.usage.v1)")
     p.add_argument("--billing-topic", help="billing topic (default hami.billing.v1)")
     p.add_argument("--group", help="consumer group (default hami-usage-aggregator)")
+    p.add_argument(
+        "--health-port", type=int, help="serve /healthz (the input loop turns) on this port"
+    )
+    p.add_argument(
+        "--health-bind-address",
+        metavar="ADDRESS",
+        help="address the health port listens on (default 0.0.0.0)",
+    )
     p.add_argument("--instance", help="replica id for the transactional id (default 0)")
     p.add_argument("--window", type=float, help="window length in seconds (default 60)")
     p.add_argument("--lateness", type=float, help="allowed lateness in seconds (default 10)")

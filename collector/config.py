@@ -83,6 +83,8 @@ class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fi
     otlp: str | None = None  # e.g. http://otel-collector:4318/v1/metrics
     drain: bool = False
     instance: str = "0"  # transactional.id suffix: unique per replica (e.g. the pod name)
+    health_port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # /healthz; None: off
+    health_bind_address: str = "0.0.0.0"
 
 
 C = TypeVar("C", bound=msgspec.Struct)

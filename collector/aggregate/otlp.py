@@ -340,7 +340,7 @@ class OtlpExporter:
             metric_readers=[self._reader],
             shutdown_on_exit=False,
         )
-        meter = self._provider.get_meter("collector.aggregate.otlp")
+        meter = self._provider.get_meter("hami-usage", _version())
         self._counters = tuple(
             (c, meter.create_counter(c.name, unit=c.unit, description=c.description))
             for c in COUNTERS

@@ -28,12 +28,15 @@ import msgspec
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from ..events import UnknownSchemaVersion, decode
+from .health import HealthServer, Liveness
 from .records import BillingRecord, record_order
 from .sinks import CsvSink, JsonlSink
 from .windows import Aggregator, WindowSettings
 
 if TYPE_CHECKING:
     from .otlp import OtlpExporter
+
+HEALTH_STALE_AFTER_S = 60.0  # longest the input loop may stay away before /healthz says 503
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,9 @@ class AggregateSettings:
     instance: str = "0"
     start_timeout_s: float = 60.0
     stats: InputStats = field(default_factory=InputStats)
+    health_port: int | None = None  # /healthz; None: off
+    health_bind_address: str = "0.0.0.0"
+    liveness: Liveness = field(default_factory=Liveness)
 
 
 def add_record(
@@ -202,6 +208,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     last_commit = time.monotonic()
     try:
         while not stopping.is_set():
+            settings.liveness.beat()
             batch = await asyncio.to_thread(reader.read, position, 5000)
             for r in batch:
                 add_record(
@@ -343,6 +350,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         ends = await consumer.end_offsets(list(aggs)) if settings.drain else {}
         last_commit = time.monotonic()
         while not stopping.is_set():
+            settings.liveness.beat()
             batch = await consumer.getmany(timeout_ms=500, max_records=5000)
             for tp, msgs in batch.items():
                 agg = aggs.get(tp)
@@ -416,6 +424,22 @@ async def aggregate(settings: AggregateSettings) -> Outputs:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    if settings.kafka:
-        return await run_kafka(settings, stopping)
-    return await run_local(settings, stopping)
+    health = None
+    if settings.health_port is not None:
+        # Start-up may wait start_timeout_s for the broker: alive meanwhile.
+        stale_after_s = max(HEALTH_STALE_AFTER_S, settings.start_timeout_s + 10)
+        health = HealthServer(
+            settings.health_bind_address,
+            settings.health_port,
+            settings.liveness,
+            stale_after_s=stale_after_s,
+        )
+        port = await health.start()
+        log.info("health on %s:%d/healthz", settings.health_bind_address, port)
+    try:
+        if settings.kafka:
+            return await run_kafka(settings, stopping)
+        return await run_local(settings, stopping)
+    finally:
+        if health is not None:
+            await health.stop()

@@ -1,0 +1,72 @@
+"""A minimal HTTP/1.0 server on the event loop for GET endpoints (metrics, health probes).
+
+One request per connection; a route is an async function of the request's Accept header that
+answers (status, content type, body). Anything but GET is 405, an unknown path 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+log = logging.getLogger(__name__)
+
+Answer = tuple[str, str, bytes]  # "200 OK", content type, body
+Route = Callable[[str], Awaitable[Answer]]
+TEXT = "text/plain; charset=utf-8"
+_MAX_HEADERS = 100
+
+
+class HttpServer:
+    def __init__(self, host: str, port: int, routes: Mapping[str, Route]) -> None:
+        self.host = host
+        self.port = port
+        self._routes = dict(routes)
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        """Listen; the actual port (for port 0). Raises OSError when the address is unusable."""
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _request(self, reader: asyncio.StreamReader) -> tuple[str, str, str]:
+        """(method, path, Accept header) of one request."""
+        parts = (await reader.readline()).decode("latin-1").split()
+        accept = ""
+        for _ in range(_MAX_HEADERS):
+            line = (await reader.readline()).decode("latin-1")
+            if line in ("\r\n", "\n", ""):
+                break
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "accept":
+                accept = value.strip()
+        return (parts[0] if parts else ""), (parts[1] if len(parts) >= 2 else ""), accept
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            method, path, accept = await asyncio.wait_for(self._request(reader), timeout=5)
+            route = self._routes.get(path)
+            if method != "GET":
+                status, content_type, body = "405 Method Not Allowed", TEXT, b"GET only\n"
+            elif route is None:
+                known = " or ".join(sorted(self._routes))
+                status, content_type, body = "404 Not Found", TEXT, f"try {known}\n".encode()
+            else:
+                status, content_type, body = await route(accept)
+            writer.write(
+                f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except (TimeoutError, ConnectionError) as exc:
+            log.debug("HTTP request dropped: %s", exc)
+        finally:
+            writer.close()

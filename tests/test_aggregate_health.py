@@ -1,0 +1,86 @@
+"""The aggregator's /healthz over real HTTP: a running `hami-usage aggregate` answers 200 while
+its input loop turns; a loop that stopped turning answers 503."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from streams import HAMI_USAGE, env
+
+from collector.aggregate.health import HealthServer, Liveness
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_running_aggregator_answers_healthz(tmp_path: Path) -> None:
+    (tmp_path / "log").mkdir()
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            str(HAMI_USAGE),
+            "aggregate",
+            "--log",
+            str(tmp_path / "log"),
+            "--csv",
+            str(tmp_path / "billing.csv"),
+            "--health-port",
+            str(port),
+            "--health-bind-address",
+            "127.0.0.1",
+        ],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        answer: tuple[int, str] | None = None
+        while time.monotonic() < deadline and answer is None:
+            try:
+                answer = get(port, "/healthz")
+            except urllib.error.URLError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.2)
+        assert answer is not None and answer[0] == 200, answer
+        assert "input loop turned" in answer[1]
+        assert get(port, "/metrics")[0] == 404  # its metrics go out over OTLP
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert f"health on 127.0.0.1:{port}/healthz" in stderr
+
+
+async def test_stalled_loop_answers_503() -> None:
+    liveness = Liveness()
+    server = HealthServer("127.0.0.1", 0, liveness, stale_after_s=60)
+    port = await server.start()
+    try:
+        assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 200
+        liveness.last_beat -= 61  # as if the loop had not come round for a minute
+        status, body = await asyncio.to_thread(get, port, "/healthz")
+        assert status == 503 and "61." in body
+        liveness.beat()
+        assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 200
+    finally:
+        await server.stop()
