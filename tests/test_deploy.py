@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from k8s_schema import VERSIONS, validate
 from otel_names import prometheus_name
 
 from collector import cli
@@ -30,7 +31,7 @@ from collector.config import AggregateConfig, CollectConfig, ReplayConfig, load
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-K8S_VERSION = "1.30"
+K8S_VERSION = VERSIONS[0]
 IMAGE = "hami-usage"  # the image name the manifests use; kustomization.yaml `images` retags it
 COMPOSE_IMAGE = "hami-usage:dev"
 UID = 10001  # the Dockerfile's USER and the manifests' runAsUser
@@ -167,7 +168,8 @@ def test_kustomization_renders_the_expected_objects() -> None:
         ("ClusterRole", "hami-usage-collector"),
         ("ClusterRoleBinding", "hami-usage-collector"),
         ("DaemonSet", "hami-usage-collector"),
-        ("Deployment", "hami-usage-aggregator"),
+        ("StatefulSet", "hami-usage-aggregator"),
+        ("Service", "hami-usage-aggregator"),
         ("Deployment", "otel-collector"),
         ("Service", "otel-collector"),
         ("Service", "hami-usage-collector-metrics"),
@@ -188,11 +190,12 @@ def test_loader_rejects_kustomize_fields_it_does_not_implement(tmp_path: Path) -
         render(tmp_path)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize(
     "doc", RENDERED, ids=[f"{d['kind']}/{d['metadata']['name']}" for d in RENDERED]
 )
-def test_manifest_is_valid_kubernetes(doc: dict[str, Any]) -> None:
-    assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
+def test_manifest_is_valid_kubernetes(doc: dict[str, Any], version: str) -> None:
+    validate(doc, version)
 
 
 def test_the_validator_rejects_unknown_fields() -> None:
@@ -246,8 +249,11 @@ def test_collector_daemonset() -> None:
     for _, mount in mounts:
         assert mount["mountPath"] == otlp_root()
         assert mount["readOnly"] is True
-        assert mount["recursiveReadOnly"] == "IfPossible"
+        assert "recursiveReadOnly" not in mount  # Kubernetes 1.29 has no such field
     # (HostPathVolumeSource has no readOnly field; test_the_validator_rejects_unknown_fields.)
+    # Directory: HAMi's folder must exist; the collector never creates it on a node without HAMi.
+    assert volumes[cache[0]]["hostPath"]["type"] == "Directory"
+    assert spec["priorityClassName"] == "system-node-critical"
 
     # The spool: a hostPath the kubelet creates; the init container chowns only its events dir.
     spool = volumes["spool"]["hostPath"]
@@ -341,13 +347,38 @@ def otlp_root() -> str:
     return CollectConfig().root
 
 
-def test_aggregator_deployment() -> None:
-    dep = find("Deployment", "hami-usage-aggregator")
-    assert dep["spec"]["replicas"] == 1
-    (agg,) = dep["spec"]["template"]["spec"]["containers"]
+def test_aggregator_statefulset() -> None:
+    sts = find("StatefulSet", "hami-usage-aggregator")
+    assert sts["spec"]["replicas"] == 1
+    # The governing Service exists and is headless.
+    svc = find("Service", sts["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None"
+    spec = sts["spec"]["template"]["spec"]
+    (agg,) = spec["containers"]
     env = {e["name"]: e for e in agg["env"]}
-    assert env["HAMI_USAGE_INSTANCE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # The instance (transactional id suffix, static member id) is the pod's stable ordinal.
+    assert env["HAMI_USAGE_INSTANCE"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
+    }
     assert env["HAMI_USAGE_KAFKA"]["valueFrom"]["configMapKeyRef"]["key"] == "kafka-bootstrap"
+    resource = dict(
+        pair.split("=", 1) for pair in env["OTEL_RESOURCE_ATTRIBUTES"]["value"].split(",")
+    )
+    assert resource == {
+        "k8s.namespace.name": "$(POD_NAMESPACE)",
+        "k8s.pod.name": "$(POD_NAME)",
+        "k8s.statefulset.name": sts["metadata"]["name"],
+        "k8s.node.name": "$(NODE_NAME)",
+    }
+    for var in ("POD_NAMESPACE", "POD_NAME", "NODE_NAME"):  # defined before they are used
+        assert list(env).index(var) < list(env).index("OTEL_RESOURCE_ATTRIBUTES")
+    # Probes on the aggregator's own /healthz, on the port it is told to serve.
+    args = agg["args"]
+    port = int(args[args.index("--health-port") + 1])
+    assert agg["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"}]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert agg[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert spec["priorityClassName"] == "system-cluster-critical"
 
 
 def test_images_are_retagged_by_the_kustomization() -> None:
@@ -482,7 +513,8 @@ def test_k8s_command_lines_parse_and_resolve(
         assert settings.node == ""  # so the collector takes NODE_NAME
     else:
         assert isinstance(settings, AggregateConfig)
-        assert settings.instance == "<metadata.name>"
+        assert settings.instance == "<metadata.labels['apps.kubernetes.io/pod-index']>"
+        assert settings.health_port == 8080
         url = urlsplit(str(settings.otlp))
         svc = find("Service", url.hostname or "")
         assert url.port in [p["port"] for p in svc["spec"]["ports"]]
