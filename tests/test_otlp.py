@@ -48,7 +48,13 @@ def make_record(window: int, container: str, scale: float, **overrides: Any) -> 
         "record_id": f"{pod_uid}/{container}/{GPU}/{window}",
     }
     if container == "trainer":  # one container with pod metadata, one without
-        fields |= {"namespace": "ml", "pod": "train-0"}
+        fields |= {
+            "namespace": "ml",
+            "pod": "train-0",
+            "workload_kind": "StatefulSet",
+            "workload": "train",
+            "labels": {"team": "vision"},
+        }
     fields |= overrides
     return BillingRecord(**fields)
 
@@ -65,6 +71,8 @@ def counter_attrs(rec: BillingRecord) -> Attrs:
         base["k8s.namespace.name"] = rec.namespace
     if rec.pod:
         base["k8s.pod.name"] = rec.pod
+    if rec.workload_kind == "StatefulSet":
+        base["k8s.statefulset.name"] = rec.workload
     return frozenset(base.items())
 
 
@@ -175,6 +183,7 @@ def test_two_windows_counters_and_gauges(receiver: OtlpReceiver) -> None:
             ("hw.type", "gpu"),
             ("k8s.namespace.name", "ml"),
             ("k8s.pod.name", "train-0"),
+            ("k8s.statefulset.name", "train"),  # by workload_kind; labels are not attributes
         }
     )
     sidecar = frozenset(
@@ -392,3 +401,35 @@ def test_endpoint_url(endpoint: str, url: str) -> None:
 def test_endpoint_must_be_a_url(endpoint: str) -> None:
     with pytest.raises(ValueError):
         OtlpExporter(endpoint)
+
+
+@pytest.mark.parametrize(
+    ("kind", "attribute"),
+    [
+        ("Deployment", "k8s.deployment.name"),
+        ("StatefulSet", "k8s.statefulset.name"),
+        ("DaemonSet", "k8s.daemonset.name"),
+        ("Job", "k8s.job.name"),
+        ("CronJob", "k8s.cronjob.name"),
+        ("ReplicaSet", "k8s.replicaset.name"),
+        ("Pod", None),
+        ("", None),
+    ],
+)
+def test_workload_attribute_follows_the_semantic_conventions(
+    kind: str, attribute: str | None
+) -> None:
+    from collector.aggregate.otlp import _record_attributes
+
+    rec = make_record(0, "x", 1.0, namespace="ml", pod="w-0", workload_kind=kind, workload="w")
+    attrs = _record_attributes(rec)
+    workload = {k: v for k, v in attrs.items() if k.startswith("k8s.") and k.endswith(".name")}
+    expected = {
+        "k8s.node.name": rec.node,
+        "k8s.container.name": "x",
+        "k8s.namespace.name": "ml",
+        "k8s.pod.name": "w-0",
+    }
+    if attribute is not None:
+        expected[attribute] = "w"
+    assert workload == expected

@@ -85,6 +85,9 @@ def test_csv_header_is_exact() -> None:
         "device_uuid",
         "namespace",
         "pod",
+        "workload_kind",
+        "workload",
+        "labels",
         "memory_byte_seconds",
         "memory_limit_byte_seconds",
         "nvml_memory_byte_seconds",
@@ -99,7 +102,13 @@ def test_csv_header_is_exact() -> None:
 
 
 def test_csv_row_values() -> None:
-    r = record(namespace="team-a", pod="train-0")
+    r = record(
+        namespace="team-a",
+        pod="train-0",
+        workload_kind="StatefulSet",
+        workload="train",
+        labels={"team": "vision", "cost-center": 'cc "17"'},
+    )
     assert csv_row(r) == [
         "2026-11-29T22:37:00Z",
         "2026-11-29T22:38:00Z",
@@ -109,6 +118,9 @@ def test_csv_row_values() -> None:
         "GPU-0",
         "team-a",
         "train-0",
+        "StatefulSet",
+        "train",
+        '{"cost-center":"cc \\"17\\"","team":"vision"}',  # a JSON object, keys sorted
         "6000.500",
         "60000.000",
         "7200.125",
@@ -122,19 +134,35 @@ def test_csv_row_values() -> None:
     ]
 
 
+def test_csv_labels_cell_is_json_and_unnamed_records_have_empty_cells() -> None:
+    named = record(labels={"team": "a,b", "z": "1"}, workload_kind="Pod", workload="debug")
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows([csv_row(named), csv_row(record())])
+    rows = list(csv.DictReader(io.StringIO(",".join(CSV_FIELDS) + "\n" + buf.getvalue())))
+    assert msgspec.json.decode(rows[0]["labels"]) == {"team": "a,b", "z": "1"}
+    assert (rows[0]["workload_kind"], rows[0]["workload"]) == ("Pod", "debug")
+    assert [rows[1][k] for k in ("namespace", "pod", "workload_kind", "workload", "labels")] == [
+        "", "", "", "", "{}"
+    ]  # fmt: skip
+
+
 def test_jsonl_round_trip() -> None:
-    r = record(namespace="team-a")
+    r = record(namespace="team-a", labels={"team": "vision"}, workload_kind="Job", workload="j")
     line = jsonl_line(r)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     obj = msgspec.json.decode(line)
     assert list(obj)[:2] == ["window_start", "window_end"]
     assert obj["window_start"] == "2026-11-29T22:37:00Z"
     assert obj["window_end"] == "2026-11-29T22:38:00Z"
+    assert obj["labels"] == {"team": "vision"}  # an object in JSON, not a string
+    assert (obj["workload_kind"], obj["workload"]) == ("Job", "j")
     assert msgspec.json.decode(line, type=BillingRecord) == r
     assert jsonl_line(r) == line  # byte-stable
 
 
 def test_msgpack_round_trip() -> None:
+    r = record(namespace="ns", pod="p", workload_kind="CronJob", workload="c", labels={"a": "b"})
+    assert from_msgpack(to_msgpack(r)) == r
     r = record()
     assert from_msgpack(to_msgpack(r)) == r
     assert to_msgpack(r) == to_msgpack(record())

@@ -19,7 +19,9 @@ Integrals are sums of the billing records; gauges are the values in effect now.
 
 Attributes on every point: `k8s.node.name`, `k8s.pod.uid`, `k8s.container.name`, `hw.id` (the
 GPU's UUID, `GPU-...` or `MIG-...`), `hw.type=gpu`; on counters also `k8s.namespace.name`,
-`k8s.pod.name` when the record has them.
+`k8s.pod.name` and the workload's `k8s.deployment.name`, `k8s.statefulset.name`,
+`k8s.daemonset.name`, `k8s.job.name`, `k8s.cronjob.name` or `k8s.replicaset.name` (by the
+record's `workload_kind`; none for a bare pod) when the record has them.
 
 Resource: `service.name=hami-usage-aggregator`, `service.version` (the package's),
 `service.instance.id` (the `service_instance` argument, else the host name, i.e. the pod name),
@@ -110,6 +112,15 @@ ATTR_POD_UID: Final = "k8s.pod.uid"
 ATTR_CONTAINER: Final = "k8s.container.name"
 ATTR_NAMESPACE: Final = "k8s.namespace.name"
 ATTR_POD_NAME: Final = "k8s.pod.name"
+# The semantic conventions' attribute for a workload's name, by its kind.
+ATTR_WORKLOAD: Final = {
+    "Deployment": "k8s.deployment.name",
+    "StatefulSet": "k8s.statefulset.name",
+    "DaemonSet": "k8s.daemonset.name",
+    "Job": "k8s.job.name",
+    "CronJob": "k8s.cronjob.name",
+    "ReplicaSet": "k8s.replicaset.name",
+}
 ATTR_GPU_UUID: Final = "hw.id"
 ATTR_HW_TYPE: Final = "hw.type"
 
@@ -486,6 +497,9 @@ def _record_attributes(rec: BillingRecord) -> dict[str, str]:
         attrs[ATTR_NAMESPACE] = rec.namespace
     if rec.pod:
         attrs[ATTR_POD_NAME] = rec.pod
+    workload = ATTR_WORKLOAD.get(rec.workload_kind)
+    if workload is not None and rec.workload:
+        attrs[workload] = rec.workload
     return attrs
 
 

@@ -52,6 +52,11 @@ class BillingRecord(msgspec.Struct, frozen=True):
     record_id: str
     namespace: str = ""
     pod: str = ""
+    # The pod's owning workload (Deployment, StatefulSet, DaemonSet, CronJob, Job, ...; Pod for a
+    # bare pod) and its allowlisted labels; empty while the pod's identity is unknown.
+    workload_kind: str = ""
+    workload: str = ""
+    labels: dict[str, str] = {}
     # Always 0 today (late events are counted, not corrected); kept so corrections can be added
     # without a schema change.
     revision: int = 0
@@ -127,6 +132,9 @@ CSV_FIELDS: Final[tuple[str, ...]] = (
     "device_uuid",
     "namespace",
     "pod",
+    "workload_kind",
+    "workload",
+    "labels",
     *_SECONDS_FIELDS,
     "peak_memory_bytes",
     "observed_seconds",
@@ -145,6 +153,11 @@ def _seconds(x: float) -> str:
     return f"{x:.3f}"
 
 
+def _labels_json(labels: dict[str, str]) -> str:
+    """The labels as one JSON object in a CSV cell, keys sorted (the same bytes every time)."""
+    return _json_encoder.encode(dict(sorted(labels.items()))).decode()
+
+
 def csv_row(record: BillingRecord) -> list[str]:
     """One row in `CSV_FIELDS` order (quote it with the csv module)."""
     r = record
@@ -157,6 +170,9 @@ def csv_row(record: BillingRecord) -> list[str]:
         r.device_uuid,
         r.namespace,
         r.pod,
+        r.workload_kind,
+        r.workload,
+        _labels_json(r.labels),
         _seconds(r.memory_byte_seconds),
         _seconds(r.memory_limit_byte_seconds),
         _seconds(r.nvml_memory_byte_seconds),

@@ -12,6 +12,7 @@ One concept a module:
 * `integrate`: integrating live values over time, expiry at `max_gap_ms`.
 * `late`: the late policy (counted, never corrected).
 * `close`: closing a track's windows; `output`: merging tracks' windows into records.
+* `identity`: pod identities (namespace, pod, workload, labels) on the event-time timeline.
 * `checkpoint`: restart offsets; `gauges`: current values for OTLP.
 * `aggregator`: the `Aggregator` facade that wires them.
 

@@ -18,6 +18,7 @@ from ...events import (
     Heartbeat,
     LimitsChanged,
     NodeDeviceSample,
+    PodIdentity,
     ProcessExited,
     ProcessStarted,
     UsageSample,
@@ -26,12 +27,13 @@ from ..records import BillingRecord, Gauge
 from .checkpoint import needed_offsets
 from .close import run
 from .gauges import gauges
+from .identity import Identities
 from .incarnations import Incarnations
 from .integrate import Integrator
 from .late import count_late
 from .output import Output
 from .progress import Progress
-from .settings import NEVER, WindowSettings
+from .settings import NEVER, RETAIN_GAPS, WindowSettings
 from .state import NODE_CID, SUPERSEDE, Track
 from .stats import AggregateStats
 
@@ -53,7 +55,12 @@ class Aggregator:
         self._incs = Incarnations()
         self._progress = Progress(settings.max_skew_ms)
         self._arrival = 0
-        self._ig = Integrator(settings, self.stats, Output(self._w, emitted_until_ms, self.stats))
+        # A pod's identity outlives its last restatement as long as a container's name does.
+        self._identities = Identities(
+            self._w, self._lateness, RETAIN_GAPS * self._gap + self._lateness + self._w
+        )
+        output = Output(self._w, emitted_until_ms, self.stats, self._identities)
+        self._ig = Integrator(settings, self.stats, output)
 
     @property
     def emitted_until_ms(self) -> int:
@@ -101,6 +108,8 @@ class Aggregator:
                 tr = self._track(node, inc, state.cid, source)
                 tr.pending.append((eff, ts, seq, self._arrival, state, offset))
                 rows += len(state.rows)
+            for identity in event.pods:
+                self._identities.learn(node, identity, ts, seq, source, offset)
         elif isinstance(
             event,
             ContainerAppeared | ContainerGone | ProcessStarted | ProcessExited | LimitsChanged,
@@ -111,6 +120,8 @@ class Aggregator:
             tr = self._track(node, inc, NODE_CID, source)
             tr.pending.append((eff, ts, seq, self._arrival, event, offset))
             rows = len(event.rows)
+        elif isinstance(event, PodIdentity):
+            self._identities.learn(node, event.identity, ts, seq, source, offset)
         # LayoutAnomaly, DeviceInventory: counted above, nothing to integrate.
         if eff != ts:
             assert closed is not None
@@ -156,7 +167,9 @@ class Aggregator:
             run(ig, tr, target)
         self._closed = target
         self._prune(target)
-        return ig.output.records()
+        records = ig.output.records()
+        self._identities.prune(target)  # after the records took their names
+        return records
 
     def _maybe_supersede(self, tr: Track, target: int) -> None:
         """Put the start of a newer incarnation of the node on this track's timeline, once."""
@@ -199,7 +212,11 @@ class Aggregator:
     def needed_offsets(self) -> dict[int, int]:
         """Per source: the earliest offset still needed to rebuild the open windows, or the
         offset after the last one added when nothing is (see `checkpoint`)."""
-        return needed_offsets(self._tracks.values(), self._progress, self._closed, self._gap)
+        need = needed_offsets(self._tracks.values(), self._progress, self._closed, self._gap)
+        for source, offset in self._identities.needed_offsets().items():
+            if source in need and offset < need[source]:
+                need[source] = offset
+        return need
 
     def gauges(self) -> list[Gauge]:
         """Current values per container billing row (see `gauges`)."""

@@ -2,24 +2,44 @@
 
 Groups that map to the same row (node, pod_uid, container, device_uuid) in one window are added
 up (integrals, samples, observed time); the peak is the largest of theirs. Integrals are exact
-integers in milli-units until the record is built."""
+integers in milli-units until the record is built. Each container row is named by its pod's
+identity for that window (`identity`); a row without one is counted in `unnamed_records`."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from ...events import Identity
 from ..records import BillingRecord, make_record_id
+from .identity import Identities
 from .state import RowKey, Track
 from .stats import AggregateStats
 
 __all__ = ["Output"]
+
+_NAMES: dict[str, Any] = {}
+
+
+def _names(who: Identity) -> dict[str, Any]:
+    return {
+        "namespace": who.namespace,
+        "pod": who.pod,
+        "workload_kind": who.workload_kind,
+        "workload": who.workload,
+        "labels": who.labels,
+    }
 
 
 class Output:
     """Rows of the windows being closed, merged by billing row; windows ending at or before
     `suppress` (already emitted by an earlier run) are computed but never handed out."""
 
-    __slots__ = ("_rows", "_stats", "_suppress", "_w")
+    __slots__ = ("_identities", "_rows", "_stats", "_suppress", "_w")
 
-    def __init__(self, window_ms: int, suppress: int, stats: AggregateStats) -> None:
+    def __init__(
+        self, window_ms: int, suppress: int, stats: AggregateStats, identities: Identities
+    ) -> None:
+        self._identities = identities
         self._w = window_ms
         self._suppress = suppress
         self._stats = stats
@@ -64,9 +84,13 @@ class Output:
         self._rows = {}
         w = self._w
         records = []
+        unnamed = 0
         for key in sorted(out):
             ws, node, pod_uid, container, uuid = key
             mem, nvml, smp, lim, smlim, peak, samples, obs = out[key]
+            who = self._identities.at(node, pod_uid, ws + w) if pod_uid else None
+            if who is None and pod_uid:
+                unnamed += 1
             records.append(
                 BillingRecord(
                     window_start_ms=ws,
@@ -84,7 +108,9 @@ class Output:
                     observed_seconds=obs / 1000,
                     samples=samples,
                     record_id=make_record_id(ws, node, pod_uid, container, uuid, 0),
+                    **(_NAMES if who is None else _names(who)),
                 )
             )
         self._stats.records += len(records)
+        self._stats.unnamed_records += unnamed
         return records

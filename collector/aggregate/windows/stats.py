@@ -16,3 +16,4 @@ class AggregateStats(msgspec.Struct):
     unattributed_rows: int = 0
     unobserved_ms: int = 0  # key-milliseconds beyond max_gap before the key was heard of again
     records: int = 0
+    unnamed_records: int = 0  # container records without a pod identity (namespace empty)

@@ -1,0 +1,78 @@
+"""Who a pod UID is (namespace, pod, workload, labels) on the event-time timeline.
+
+Identities come from `PodIdentity` events and from the `pods` every heartbeat restates. They are
+kept per (node, pod UID) as a timeline ordered by (ts, seq), and a record of the window
+`[ws, we)` takes the entry with the largest (ts, seq) among those with `ts < we + lateness`: an
+identity that arrives within the lateness of a window applies to that window, and one that
+arrives later applies from the next windows on. That is decided by event times alone, never by
+when a window happens to close, so a replay gives the same names as the live run. A record
+without an identity is still billed: its namespace is empty, and it is counted in
+`stats.unnamed_records`.
+
+Only what a future window can still use is kept: per pod, the last entry before the cut-off of
+the next window to close, and every later one. Restatements are entries of their own (with their
+own offsets), so what a restart has to read again stays one heartbeat period long; a pod not
+restated for `retain_ms` (its containers are gone) is forgotten.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+
+from ...events import Identity
+
+__all__ = ["Identities"]
+
+# (ts, seq, source, offset, identity); ordered by (ts, seq)
+_Entry = tuple[int, int, int, int, Identity]
+
+
+class Identities:
+    __slots__ = ("_book", "_lateness", "_retain", "_w")
+
+    def __init__(self, window_ms: int, lateness_ms: int, retain_ms: int) -> None:
+        self._w = window_ms
+        self._lateness = lateness_ms
+        self._retain = retain_ms
+        self._book: dict[tuple[str, str], list[_Entry]] = {}
+
+    def learn(
+        self, node: str, identity: Identity, ts: int, seq: int, source: int, offset: int
+    ) -> None:
+        entries = self._book.setdefault((node, identity.pod_uid), [])
+        insort(entries, (ts, seq, source, offset, identity), key=lambda e: (e[0], e[1]))
+
+    def at(self, node: str, pod_uid: str, window_end_ms: int) -> Identity | None:
+        """The identity of the pod for the window that ends at `window_end_ms`."""
+        entries = self._book.get((node, pod_uid))
+        if not entries:
+            return None
+        cut = window_end_ms + self._lateness
+        i = bisect_left(entries, cut, key=lambda e: e[0])
+        return entries[i - 1][4] if i else None
+
+    def prune(self, closed: int) -> None:
+        """Forget what no window ending after `closed` can use."""
+        cut = closed + self._w + self._lateness  # the earliest cut-off of a window still open
+        drop: list[tuple[str, str]] = []
+        for key, entries in self._book.items():
+            if entries[-1][0] + self._retain <= closed:
+                drop.append(key)
+                continue
+            i = bisect_left(entries, cut, key=lambda e: e[0])
+            if i > 1:
+                del entries[: i - 1]
+        for key in drop:
+            del self._book[key]
+
+    def needed_offsets(self) -> dict[int, int]:
+        """Per source, the earliest offset of an entry still kept."""
+        need: dict[int, int] = {}
+        for entries in self._book.values():
+            for _, _, source, offset, _ in entries:
+                if offset >= 0 and offset < need.get(source, offset + 1):
+                    need[source] = offset
+        return need
+
+    def __len__(self) -> int:
+        return sum(len(e) for e in self._book.values())

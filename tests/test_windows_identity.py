@@ -1,0 +1,150 @@
+"""Pod identities in the aggregation core (collector/aggregate/windows/identity.py): which
+window gets which name, decided by event times alone; unnamed records counted; restatements in
+heartbeats; restart offsets; and the same records however the input is batched.
+
+Default settings: 60 s windows, 10 s lateness, 90 s max gap.
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+from test_windows import Collector, S, row, run, state
+
+from collector.aggregate.records import BillingRecord
+from collector.aggregate.windows import Aggregator
+from collector.events import Event, Heartbeat, Identity, PodIdentity
+
+TEAM_A = Identity("pod-a", "ml", "trainer-x", "Deployment", "trainer", {"team": "vision"})
+TEAM_B = Identity("pod-a", "ml", "trainer-x", "Deployment", "trainer", {"team": "speech"})
+
+
+def ident(c: Collector, ts: int, who: Identity) -> PodIdentity:
+    return PodIdentity(1, c.inc, c._n(), ts, who)
+
+
+def names(records: list[BillingRecord]) -> list[tuple[int, str, str, str, str, dict[str, str]]]:
+    return [
+        (r.window_start_ms // 1000, r.namespace, r.pod, r.workload_kind, r.workload, r.labels)
+        for r in records
+        if r.pod_uid
+    ]
+
+
+def restate(c: Collector, ts: int, total: int, *pods: Identity) -> Heartbeat:
+    """A heartbeat as the collector writes it: the container, and its pod's identity."""
+    return Heartbeat(1, c.inc, c._n(), ts, 30_000, 0, 1, [state(1, row(1, total))], pods=list(pods))
+
+
+def steady(c: Collector, until_s: int, every_s: int = 10) -> list[Event]:
+    """A container sampled every `every_s` seconds from 0 to `until_s`."""
+    events: list[Event] = [c.appeared(0), c.started(0, 1)]
+    events += [c.sample(t * 1000, row(1, 100 + t)) for t in range(0, until_s + 1, every_s)]
+    return events
+
+
+def test_unknown_identity_is_billed_with_an_empty_namespace_and_counted() -> None:
+    c = Collector()
+    records, agg = run(steady(c, 150))
+    assert [r.window_start_ms for r in records] == [0, 60_000, 120_000, 180_000]
+    assert all(r.memory_byte_seconds > 0 for r in records[:3])
+    assert {(r.namespace, r.pod, r.workload_kind, r.workload) for r in records} == {
+        ("", "", "", "")
+    }
+    assert all(r.labels == {} for r in records)
+    assert agg.stats.unnamed_records == 4
+
+
+def test_identity_within_the_lateness_applies_to_that_window_and_later_ones_not() -> None:
+    ns = ("ml", "trainer-x", "Deployment", "trainer", {"team": "vision"})
+    for at_s, first_named in [(0, 0), (69, 0), (70, 60), (129, 60), (131, 120)]:
+        c = Collector()
+        events = steady(c, 200)
+        # The identity arrives at `at_s`: it names every window whose end + 10 s lies after it.
+        events.insert(
+            next(i for i, e in enumerate(events) if e.ts > at_s * 1000),
+            ident(c, at_s * 1000, TEAM_A),
+        )
+        records, agg = run(events)
+        got = names(records)
+        assert got == [
+            (ws, *(ns if ws >= first_named else ("", "", "", "", {})))
+            for ws in (0, 60, 120, 180, 240)
+        ], at_s
+        assert agg.stats.unnamed_records == first_named // 60
+
+
+def test_a_changed_identity_names_the_windows_after_the_change() -> None:
+    c = Collector()
+    events = steady(c, 200)
+    events.insert(3, ident(c, 0, TEAM_A))
+    # team changes at 100 s: window [60, 120) closes at 130 s and takes the newer one.
+    events.insert(
+        next(i for i, e in enumerate(events) if e.ts > 100_000), ident(c, 100_000, TEAM_B)
+    )
+    records, _ = run(events)
+    assert [r.labels["team"] for r in records] == ["vision", "speech", "speech", "speech", "speech"]
+
+
+def test_heartbeat_restatement_names_a_consumer_that_starts_mid_stream() -> None:
+    c = Collector()
+    events = steady(c, 300)
+    events.insert(3, ident(c, 0, TEAM_A))
+    hb_at = next(i for i, e in enumerate(events) if e.ts >= 150_000)
+    events.insert(hb_at, restate(c, 150_000, 250, TEAM_A))
+    full, _ = run(events)
+    # From the heartbeat on (the PodIdentity at 0 s not seen): the same names from 180 s on.
+    tail, _ = run([e for e in events[hb_at:] if not isinstance(e, PodIdentity)])
+    named_tail = [r for r in tail if r.window_start_ms >= 180_000]
+    assert names(named_tail) == names([r for r in full if r.window_start_ms >= 180_000])
+    assert named_tail and all(r.namespace == "ml" for r in named_tail)
+
+
+def test_batching_and_advance_timing_do_not_change_the_names() -> None:
+    c = Collector()
+    events = steady(c, 400, every_s=7)
+    rng = random.Random(5)
+    for ts, who in [(5_000, TEAM_A), (95_000, TEAM_B), (250_000, TEAM_A)]:
+        at = next(i for i, e in enumerate(events) if e.ts > ts)
+        events.insert(at, ident(c, ts, who))
+    expected, _ = run(events)
+    for _ in range(5):
+        agg = Aggregator(S)
+        out: list[BillingRecord] = []
+        for i, e in enumerate(events):
+            agg.add("n1", e, offset=i)
+            if rng.random() < 0.2:
+                out += agg.advance()
+        out += agg.flush()
+        assert msgspec.json.encode(out) == msgspec.json.encode(expected)
+
+
+def test_restart_from_the_needed_offsets_gives_the_same_named_records() -> None:
+    c = Collector()
+    events = steady(c, 400)
+    events.insert(3, ident(c, 0, TEAM_A))
+    # Restated by heartbeats every 30 s, as the collector does.
+    for t in range(30, 400, 30):
+        at = next(i for i, e in enumerate(events) if e.ts >= t * 1000)
+        events.insert(at, restate(c, t * 1000, 100 + t, TEAM_A))
+    live = Aggregator(S)
+    emitted: list[BillingRecord] = []
+    cut = 0
+    for i, e in enumerate(events):
+        live.add("n1", e, offset=i)
+        emitted += live.advance()
+        if e.ts >= 250_000 and not cut:
+            cut = i
+            break
+    need = live.needed_offsets()[0]
+    assert need > 3, "the identity of 0 s is not needed: a heartbeat restated it since"
+    restarted = Aggregator(S, emitted_until_ms=live.emitted_until_ms)
+    again: list[BillingRecord] = []
+    for i in range(need, len(events)):
+        restarted.add("n1", events[i], offset=i)
+        again += restarted.advance()
+    again += restarted.flush()
+    full, _ = run(events)
+    assert names(emitted + again) == names(full)
+    assert all(r.namespace == "ml" for r in full)
