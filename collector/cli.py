@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import msgspec
 
+from .aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED, CheckpointError, DamageReport
 from .config import AggregateConfig, CollectConfig, ConfigError, ReplayConfig, load
 from .layout.declarations import LAYOUTS
 from .layout.reader import read_snapshot
@@ -289,7 +290,25 @@ def _cmd_aggregate(args: argparse.Namespace) -> int:
     except BrokerUnreachable as exc:
         print(f"hami-usage aggregate: {exc}", file=sys.stderr)
         return 1
-    return 0
+    except CheckpointError as exc:
+        print(f"hami-usage aggregate: {exc}", file=sys.stderr)
+        return EXIT_CHECKPOINT
+    return _damage_exit("aggregate", settings.stats.damage, cfg.accept_damaged, cfg.drain)
+
+
+def _damage_exit(command: str, damage: DamageReport, accept: bool, ends: bool) -> int:
+    """EXIT_DAMAGED when a run that ends by itself read damaged input, unless accepted."""
+    if not ends or not damage.damaged:
+        return 0
+    if accept:
+        print(f"hami-usage {command}: {damage.line()} (accepted)", file=sys.stderr)
+        return 0
+    print(
+        f"hami-usage {command}: input damaged, records may be incomplete: {damage.line()} "
+        f"(exit {EXIT_DAMAGED}; --accept-damaged to accept)",
+        file=sys.stderr,
+    )
+    return EXIT_DAMAGED
 
 
 def _iso_ms(flag: str, text: str) -> int:
@@ -331,13 +350,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         written, stats = replay_local(Path(cfg.log), window, rng, cfg.csv, cfg.jsonl)
     print(
         f"replay: {written} records; undecodable={stats.undecodable} "
-        f"unknown_schema={stats.unknown_schema}",
+        f"unknown_schema={stats.unknown_schema}; {stats.damage.line()}",
         file=sys.stderr,
     )
-    return 0
+    return _damage_exit("replay", stats.damage, cfg.accept_damaged, True)
 
 
 REPLAY_FLAGS = [
+    "accept_damaged",
     "kafka",
     "topic",
     "log",
@@ -558,6 +578,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="process what is there, close every window and exit",
     )
+    p.add_argument(
+        "--accept-damaged",
+        action="store_true",
+        default=None,
+        help=f"exit 0 rather than {EXIT_DAMAGED} when the input was damaged (still reported)",
+    )
     p.set_defaults(func=_cmd_aggregate)
 
     p = sub.add_parser("replay", help="recompute billing records for a past time range")
@@ -581,6 +607,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--csv", metavar="FILE", help="write the records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="write the records as JSON Lines")
+    p.add_argument(
+        "--accept-damaged",
+        action="store_true",
+        default=None,
+        help=f"exit 0 rather than {EXIT_DAMAGED} when the input was damaged (still reported)",
+    )
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("demo", help="simulate a node and run the whole pipeline; print the bill")

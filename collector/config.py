@@ -75,6 +75,8 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_skew: Positive = 300.0
     csv: str | None = None
     jsonl: str | None = None
+    # exit 0 rather than 3 when the input was damaged (the damage is still reported)
+    accept_damaged: bool = False
 
 
 class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):

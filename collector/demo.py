@@ -49,6 +49,7 @@ class DemoResult:
     anomalies: list[tuple[str, str, str]]  # (kind, path, detail)
     truth: GroundTruth
     interval_ms: int
+    damage: str = "damage: none"  # the aggregator's damage summary line
 
 
 def _hostile_file(root: Path) -> None:
@@ -166,8 +167,9 @@ async def run_demo(s: DemoSettings) -> DemoResult:
     with csv_path.open(newline="") as fh:
         rows = list(csv.DictReader(fh))
     anomalies = _anomalies(log_dir)
+    damage = agg.stats.damage.line()
     shutil.rmtree(work, ignore_errors=True)
-    return DemoResult(csv_path, rows, anomalies, truth, round(s.interval_s * 1000))
+    return DemoResult(csv_path, rows, anomalies, truth, round(s.interval_s * 1000), damage)
 
 
 def format_report(result: DemoResult) -> str:
@@ -194,7 +196,8 @@ def format_report(result: DemoResult) -> str:
             f"{pod:<10} {ctr:<10} {a['gib_h']:>10.6f} {a['sm_h']:>10.6f} "
             f"{a['peak']:>9.3f} {limit:>9.2f}"
         )
-    lines += ["", f"{len(result.rows)} billing records in {result.csv_path}", "", "anomalies:"]
+    lines += ["", f"{len(result.rows)} billing records in {result.csv_path}", result.damage]
+    lines += ["", "anomalies:"]
     lines += [
         f"  {kind:<24} {Path(path).parent.name[:28]}/…  {detail}"
         for kind, path, detail in result.anomalies

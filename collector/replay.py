@@ -10,13 +10,22 @@ wrote for the same input, byte for byte, because they come from the same `Aggreg
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .aggregate.records import BillingRecord, record_order
-from .aggregate.service import Checkpoint, InputStats, Outputs, add_record
+from .aggregate.service import (
+    TAIL_SETTLE_S,
+    Checkpoint,
+    InputStats,
+    Outputs,
+    add_record,
+    read_damage,
+)
 from .aggregate.windows import Aggregator, WindowSettings
+from .transport.locallog import LogReader
 
 # Record timestamps are the collector's append or send time, a little after the event time.
 SLACK_MS = 60_000
@@ -60,9 +69,7 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _local(log_dir: Path, start_ms: int) -> tuple[int, Iterator[list[Raw]]]:
-    from .transport.locallog import LogReader
-
+def _local(log_dir: Path, start_ms: int) -> tuple[int, Iterator[list[Raw]], LogReader]:
     reader = LogReader(log_dir)
     first = reader.offset_for_time(start_ms)
     total = reader.end_offset() - first
@@ -76,7 +83,7 @@ def _local(log_dir: Path, start_ms: int) -> tuple[int, Iterator[list[Raw]]]:
             position = batch[-1].offset + 1
             yield [Raw(0, r.offset, r.timestamp_ms, r.key, r.value) for r in batch]
 
-    return total, batches()
+    return total, batches(), reader
 
 
 def _in_range(r: BillingRecord, rng: ReplayRange) -> bool:
@@ -130,10 +137,16 @@ def replay_local(
     log_dir: Path, window: WindowSettings, rng: ReplayRange, csv: str | None, jsonl: str | None
 ) -> tuple[int, InputStats]:
     start = rng.from_ms - window.max_gap_ms - window.lateness_ms - SLACK_MS
-    total, batches = _local(log_dir, start)
+    total, batches, reader = _local(log_dir, start)
     replay = Replay(total, window, rng)
     for batch in batches:
         replay.feed(batch)
+    read_damage(reader, replay.stats.damage)
+    torn = reader.torn_tail()
+    if torn:
+        time.sleep(TAIL_SETTLE_S)
+        torn = reader.torn_tail()
+    replay.stats.damage.torn_tail_bytes = torn
     # A new file for the range: what was in it before is replaced.
     outputs = Outputs.open(csv, jsonl, None, Checkpoint())
     try:

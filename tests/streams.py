@@ -486,7 +486,8 @@ def final_report(stderr: str) -> tuple[int, dict[str, int]]:
     assert lines, stderr[-3000:]
     m = _FINAL.search(lines[-1])
     assert m, lines[-1]
-    counters = dict(kv.split("=", 1) for kv in m.group(2).split())
+    # the damage summary follows after "; "
+    counters = dict(kv.split("=", 1) for kv in m.group(2).split(";")[0].split())
     return int(m.group(1)), {k: int(v) for k, v in counters.items()}
 
 

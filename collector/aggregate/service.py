@@ -28,6 +28,8 @@ import msgspec
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from ..events import UnknownSchemaVersion, decode
+from ..transport.locallog import CorruptCheckpointError, LogReader
+from .damage import CheckpointError, DamageReport
 from .health import HealthServer, Liveness
 from .records import BillingRecord, record_order
 from .sinks import CsvSink, JsonlSink
@@ -51,22 +53,25 @@ class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
     jsonl_bytes: int = 0
 
 
-def parse_checkpoint(text: str | None) -> Checkpoint:
+def parse_checkpoint(text: str | None, where: str = "checkpoint") -> Checkpoint:
+    """The commit metadata; CheckpointError when it is not ours: resuming without knowing what
+    was emitted and how long the files were would bill windows twice."""
     if not text:
         return Checkpoint()
     try:
         return msgspec.json.decode(text, type=Checkpoint)
     except msgspec.DecodeError:
-        log.warning("ignoring unreadable checkpoint metadata %r", text[:80])
-        return Checkpoint()
+        raise CheckpointError(f"{where}: unreadable metadata {text[:80]!r}") from None
 
 
 @dataclass
 class InputStats:
-    """Input that was read but not aggregated: counted and reported, never silent."""
+    """Input that was read but not aggregated, and damage seen in it: counted and reported,
+    never silent."""
 
     undecodable: int = 0
     unknown_schema: int = 0
+    damage: DamageReport = field(default_factory=DamageReport)
 
 
 @dataclass
@@ -166,7 +171,22 @@ def add_record(
         stats.undecodable += 1
         return
     node = (key or b"").decode("utf-8", "replace")
+    stats.damage.see(node, event)
     agg.add(node, event, source=source, offset=offset, record_ts_ms=record_ts_ms)
+
+
+class DamageWatch:
+    """Logs the damage summary whenever it grows (a live service never exits to say it)."""
+
+    def __init__(self, damage: DamageReport) -> None:
+        self.damage = damage
+        self._said = damage.counts()
+
+    def check(self) -> None:
+        counts = self.damage.counts()
+        if counts != self._said:
+            self._said = counts
+            log.warning("input damaged: %s", self.damage.line())
 
 
 def _sorted(records: Iterable[BillingRecord]) -> list[BillingRecord]:
@@ -183,19 +203,56 @@ def report(settings: AggregateSettings, aggregators: Iterable[Aggregator], writt
     s = settings.stats
     if s.undecodable or s.unknown_schema:
         parts.append(f"undecodable={s.undecodable} unknown_schema={s.unknown_schema}")
-    return "aggregate: " + " ".join(parts)
+    return "aggregate: " + " ".join(parts) + "; " + s.damage.line()
 
 
 # --- local log ----------------------------------------------------------------------------
 
+# A partial frame at the end of the newest segment that is still there this much later is a
+# torn tail, not a record being written (a live collector writes whole buffers at once).
+TAIL_SETTLE_S = 1.0
+
+
+def open_checkpoint(reader: LogReader, group: str, log_dir: Path) -> tuple[int, str] | None:
+    """The group's (offset, metadata), None on its first start; CheckpointError if the file is
+    unreadable or points past the end of the log (a log replaced or cut under it)."""
+    try:
+        committed = reader.committed(group)
+    except CorruptCheckpointError as exc:
+        raise CheckpointError(f"checkpoint of group {group} unreadable: {exc}") from None
+    if committed is not None:
+        end = reader.end_offset()
+        if committed[0] > end:
+            raise CheckpointError(
+                f"checkpoint of group {group} is at offset {committed[0]}, beyond the end of "
+                f"the log {log_dir} ({end}): the log was replaced or cut"
+            )
+    return committed
+
+
+def read_damage(reader: LogReader, damage: DamageReport) -> None:
+    st = reader.stats
+    damage.corrupt_frames = st.corrupt_frames
+    damage.missing_records = st.missing_records
+    damage.missing_segments = st.missing_segments
+
+
+async def settled_tail(reader: LogReader) -> int:
+    """Bytes of a torn tail of the newest segment, once it has had time to be completed."""
+    torn = reader.torn_tail()
+    if torn:
+        await asyncio.sleep(TAIL_SETTLE_S)
+        torn = reader.torn_tail()
+    return torn
+
 
 async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Outputs:
-    from ..transport.locallog import LogReader
-
     reader = LogReader(settings.log_dir)
-    committed = reader.committed(settings.group)
+    committed = open_checkpoint(reader, settings.group, settings.log_dir)
     position, meta = committed if committed else (0, "")
-    resume = parse_checkpoint(meta)
+    resume = parse_checkpoint(meta, f"checkpoint of group {settings.group}")
+    damage = settings.stats.damage
+    watch = DamageWatch(damage)
     agg = Aggregator(settings.window, emitted_until_ms=resume.emitted_until_ms)
     outputs = Outputs.open(
         settings.csv, settings.jsonl, settings.otlp, resume if committed else None
@@ -222,7 +279,13 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 )
             if batch:
                 position = batch[-1].offset + 1
+            read_damage(reader, damage)
             done = not batch and settings.drain
+            if done:
+                damage.torn_tail_bytes = await settled_tail(reader)
+                if reader.end_offset() > position:
+                    continue  # the tail was a record being written after all
+            watch.check()
             records = agg.flush() if done else agg.advance()
             if records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S:
                 outputs.write(records)
@@ -259,6 +322,9 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     aggs: dict[TopicPartition, Aggregator] = {}
     positions: dict[TopicPartition, int] = {}
     resume_meta: list[Checkpoint] = []
+    # The rebalance listener runs in aiokafka's task, which only logs what it raises.
+    failed: list[CheckpointError] = []
+    watch = DamageWatch(settings.stats.damage)
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka,
@@ -297,7 +363,12 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             begins = await consumer.beginning_offsets(list(assigned))
             for tp in assigned:
                 om = committed.get(tp)
-                meta = parse_checkpoint(om.metadata if om is not None else None)
+                try:
+                    where = f"checkpoint of group {settings.group} partition {tp.partition}"
+                    meta = parse_checkpoint(om.metadata if om is not None else None, where)
+                except CheckpointError as exc:
+                    failed.append(exc)
+                    return
                 if om is not None and om.metadata:
                     resume_meta.append(meta)
                 start = om.offset if om is not None and om.offset >= 0 else begins[tp]
@@ -335,8 +406,10 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         # Wait for the first assignment: the file outputs resume from its checkpoint. The
         # group join runs in aiokafka's own task; a getmany here would hand out (and this
         # loop drop) records of partitions that are being assigned.
-        while not aggs and not stopping.is_set():
+        while not aggs and not stopping.is_set() and not failed:
             await asyncio.sleep(0.05)
+        if failed:
+            raise failed[0]
         outputs = Outputs.open(
             settings.csv,
             settings.jsonl,
@@ -367,6 +440,9 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                         record_ts_ms=m.timestamp,
                     )
                 positions[tp] = msgs[-1].offset + 1
+            if failed:
+                raise failed[0]
+            watch.check()
             done = settings.drain and await _caught_up(consumer, ends)
             records = _sorted(
                 r for agg in aggs.values() for r in (agg.flush() if done else agg.advance())

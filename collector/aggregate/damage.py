@@ -1,0 +1,94 @@
+"""Damaged input, found and said: never a silently different bill.
+
+What a consumer (aggregate, replay, demo) can tell about its input besides the events:
+* from the stream alone (so the Kafka path too): gaps in a collector incarnation's `seq`. One
+  node's events live in one partition (and one local log) in the collector's own order, so a
+  seq beyond the highest one seen + 1 means events went missing in between: dropped by the
+  collector (its heartbeats say how many: `dropped`), or lost on the way. The first seq seen of
+  an incarnation is where this reader came in, not a gap.
+* from the local log: damaged frames passed over, deleted segments, records skipped, and a torn
+  tail (the newest segment ends inside a frame and stays that way).
+
+`DamageReport.line()` is the one summary line; `damaged` says whether any of it happened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..events import Event, Heartbeat
+
+EXIT_DAMAGED = 3  # aggregate --drain / replay: records written, but the input was damaged
+EXIT_CHECKPOINT = 4  # a consumer checkpoint that cannot be used: nothing was done
+
+
+class CheckpointError(Exception):
+    """A consumer checkpoint that is unreadable or points past the end of its input; the
+    message is one line for stderr."""
+
+
+@dataclass
+class _Incarnation:
+    highest: int
+    dropped: int = 0  # the largest `dropped` its heartbeats reported
+
+
+@dataclass
+class DamageReport:
+    corrupt_frames: int = 0
+    missing_records: int = 0  # local-log offsets skipped (damaged frames, deleted segments)
+    missing_segments: int = 0
+    torn_tail_bytes: int = 0
+    seq_gaps: int = 0  # places where an incarnation's seq jumped
+    seq_missing: int = 0  # events missing in those gaps
+    _incs: dict[tuple[str, int], _Incarnation] = field(default_factory=dict)
+
+    def see(self, node: str, event: Event) -> None:
+        """Every decoded event, in the order of its partition (duplicates included)."""
+        key = (node, event.inc)
+        inc = self._incs.get(key)
+        if inc is None:
+            inc = self._incs[key] = _Incarnation(event.seq)
+        elif event.seq > inc.highest:
+            if event.seq > inc.highest + 1:
+                self.seq_gaps += 1
+                self.seq_missing += event.seq - inc.highest - 1
+            inc.highest = event.seq
+        if isinstance(event, Heartbeat) and event.dropped > inc.dropped:
+            inc.dropped = event.dropped
+
+    @property
+    def dropped_by_collectors(self) -> int:
+        return sum(inc.dropped for inc in self._incs.values())
+
+    @property
+    def damaged(self) -> bool:
+        return bool(
+            self.corrupt_frames
+            or self.missing_records
+            or self.missing_segments
+            or self.torn_tail_bytes
+            or self.seq_gaps
+        )
+
+    def counts(self) -> tuple[int, int, int, int, int, int]:
+        return (
+            self.corrupt_frames,
+            self.missing_records,
+            self.missing_segments,
+            self.torn_tail_bytes,
+            self.seq_gaps,
+            self.seq_missing,
+        )
+
+    def line(self) -> str:
+        if not self.damaged:
+            return "damage: none"
+        return (
+            f"damage: corrupt_frames={self.corrupt_frames} "
+            f"missing_records={self.missing_records} "
+            f"missing_segments={self.missing_segments} "
+            f"torn_tail_bytes={self.torn_tail_bytes} "
+            f"seq_gaps={self.seq_gaps} seq_missing={self.seq_missing} "
+            f"(collectors reported {self.dropped_by_collectors} dropped)"
+        )

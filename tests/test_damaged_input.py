@@ -1,0 +1,235 @@
+"""Damaged input is never a silently different bill.
+
+A local log of the deterministic stream (streams.py) is damaged the ways an operator's bad day
+does it; `aggregate --drain` and `replay` then either bill exactly what the intact log bills or
+exit 3 with one summary line naming the damage (0 with `--accept-damaged`, the line still
+there). A damaged or future checkpoint is one line and exit 4. Seq gaps are found from the
+stream alone, so the Kafka path reports them too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+from streams import (
+    T0_MS,
+    WINDOW_FLAGS,
+    Msg,
+    Spec,
+    build,
+    create_topic,
+    csv_lines,
+    hami,
+    produce,
+    read_csv,
+    recent_t0,
+    reference,
+)
+
+from collector.aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED
+from collector.transport.locallog import LocalLog, LogReader
+
+SPEC = Spec(seconds=240)
+NODES = ("node-a", "node-b")
+SEGMENT = 48 * 1024
+FROM, TO = "2026-03-02T10:00:00Z", "2026-03-02T10:04:00Z"
+_DAMAGE = re.compile(
+    r"damage: corrupt_frames=(\d+) missing_records=(\d+) missing_segments=(\d+) "
+    r"torn_tail_bytes=(\d+) seq_gaps=(\d+) seq_missing=(\d+)"
+)
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory: pytest.TempPathFactory) -> list[Msg]:
+    return build(tmp_path_factory.mktemp("nodes"), T0_MS, SPEC, NODES)
+
+
+def write_log(directory: Path, msgs: list[Msg]) -> list[int]:
+    with LocalLog(directory, segment_bytes=SEGMENT) as log:
+        for m in msgs:
+            assert log.append(m.key, m.value, m.ts) is not None
+    return sorted(int(p.name[:20]) for p in directory.glob("*.log"))
+
+
+def segment(directory: Path, base: int) -> Path:
+    return directory / f"{base:020d}.log"
+
+
+def cut_newest_half(log: Path, bases: list[int]) -> str:
+    path = segment(log, bases[-1])
+    data = path.read_bytes()
+    at = len(data) // 2
+    path.write_bytes(data[:at])
+    if LogReader(log).torn_tail() == 0:  # the half fell on a frame boundary: one byte more
+        path.write_bytes(data[: at - 1])
+    return "torn_tail_bytes"
+
+
+def flip_newest(log: Path, bases: list[int]) -> str:
+    path = segment(log, bases[-1])
+    data = bytearray(path.read_bytes())
+    for at in range(len(data) // 4, len(data) // 2, 997):
+        data[at] ^= 0xA5
+    path.write_bytes(bytes(data))
+    return "corrupt_frames"
+
+
+def delete_middle(log: Path, bases: list[int]) -> str:
+    segment(log, bases[len(bases) // 2]).unlink()
+    return "missing_segments"
+
+
+def huge_length(log: Path, bases: list[int]) -> str:
+    path = segment(log, bases[len(bases) // 2])
+    data = bytearray(path.read_bytes())
+    data[0:4] = (0xFFFFFF00).to_bytes(4, "little")  # the segment's first frame
+    path.write_bytes(bytes(data))
+    return "corrupt_frames"
+
+
+DAMAGES: dict[str, Callable[[Path, list[int]], str]] = {
+    "cut_newest_half": cut_newest_half,
+    "flip_newest": flip_newest,
+    "delete_middle": delete_middle,
+    "huge_length": huge_length,
+}
+
+
+def damage_of(stderr: str) -> dict[str, int]:
+    m = _DAMAGE.search(stderr)
+    assert m, stderr[-3000:]
+    names = [
+        "corrupt_frames",
+        "missing_records",
+        "missing_segments",
+        "torn_tail_bytes",
+        "seq_gaps",
+        "seq_missing",
+    ]
+    return dict(zip(names, map(int, m.groups()), strict=True))
+
+
+def aggregate(log: Path, csv: Path, *extra: str) -> tuple[int, str]:
+    proc = hami("aggregate", "--log", log, *WINDOW_FLAGS, "--csv", csv, "--drain", *extra)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, proc.stderr
+
+
+def replay(log: Path, csv: Path, *extra: str) -> tuple[int, str]:
+    proc = hami(
+        "replay", "--log", log, "--from", FROM, "--to", TO, *WINDOW_FLAGS, "--csv", csv, *extra
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, proc.stderr
+
+
+def test_intact_log_says_no_damage(tmp_path: Path, stream: list[Msg]) -> None:
+    log = tmp_path / "log"
+    assert len(write_log(log, stream)) >= 5
+    rc, err = aggregate(log, tmp_path / "a.csv")
+    assert rc == 0, err
+    assert "damage: none" in err
+    assert read_csv(tmp_path / "a.csv") == csv_lines(reference(stream))
+    rc, err = replay(log, tmp_path / "r.csv")
+    assert rc == 0, err
+    assert "damage: none" in err
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_damaged_log_exits_3_naming_the_damage(tmp_path: Path, stream: list[Msg], how: str) -> None:
+    log = tmp_path / "log"
+    bases = write_log(log, stream)
+    kind = DAMAGES[how](log, bases)
+    expected = csv_lines(reference(stream))
+
+    rc, err = aggregate(log, tmp_path / "a.csv")
+    assert rc == EXIT_DAMAGED, err
+    found = damage_of(err)
+    assert found[kind] > 0, found
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("hami-usage aggregate: input")]
+    assert "--accept-damaged" in line
+    # The damage changed the bill: that is why it must not exit 0 silently.
+    assert read_csv(tmp_path / "a.csv") != expected
+
+    rc, err = replay(log, tmp_path / "r.csv")
+    assert rc == EXIT_DAMAGED, err
+    assert damage_of(err)[kind] > 0
+
+    rc, err = aggregate(log, tmp_path / "b.csv", "--group", "again", "--accept-damaged")
+    assert rc == 0, err
+    assert damage_of(err)[kind] > 0
+    rc, err = replay(log, tmp_path / "r2.csv", "--accept-damaged")
+    assert rc == 0, err
+
+
+def test_dropped_events_are_seq_gaps(tmp_path: Path, stream: list[Msg]) -> None:
+    # The collector could not store some events (a full disk): the stream has holes in seq.
+    holes = stream[:500] + stream[520:1000] + stream[1003:]
+    log = tmp_path / "log"
+    write_log(log, holes)
+    rc, err = aggregate(log, tmp_path / "a.csv")
+    assert rc == EXIT_DAMAGED, err
+    found = damage_of(err)
+    assert found["seq_missing"] == 23
+    assert 2 <= found["seq_gaps"] <= 4  # the holes may span both nodes' incarnations
+    assert found["corrupt_frames"] == found["missing_records"] == 0
+
+
+@pytest.mark.kafka
+def test_seq_gaps_on_the_kafka_path(kafka_bootstrap: str, kafka_topic: str, tmp_path: Path) -> None:
+    t0 = recent_t0(SPEC.seconds)
+    msgs = build(tmp_path / "nodes", t0, SPEC, NODES)
+    node_a = [i for i, m in enumerate(msgs) if m.node == "node-a"]
+    lost = set(node_a[300:307])
+    asyncio.run(create_topic(kafka_bootstrap, kafka_topic, 2))
+    asyncio.run(
+        produce(kafka_bootstrap, kafka_topic, [m for i, m in enumerate(msgs) if i not in lost])
+    )
+    cmd = [
+        "aggregate", "--kafka", kafka_bootstrap, "--topic", kafka_topic,
+        "--billing-topic", f"{kafka_topic}.billing", "--group", f"{kafka_topic}.g",
+        "--instance", uuid.uuid4().hex[:8], *WINDOW_FLAGS, "--drain",
+    ]  # fmt: skip
+    proc = hami(*cmd)
+    assert proc.returncode == EXIT_DAMAGED, proc.stderr
+    found = damage_of(proc.stderr)
+    assert (found["seq_gaps"], found["seq_missing"]) == (1, 7)
+
+
+def checkpoint_file(log: Path) -> Path:
+    return log / "consumers" / "hami-usage-aggregator.json"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"{not json", "unreadable"),
+        (b'{"offset": -5}', "unreadable"),
+        (b'{"offset": 10, "metadata": "garbage"}', "unreadable metadata"),
+        (b'{"offset": 99999999, "metadata": ""}', "beyond the end of the log"),
+    ],
+)
+def test_damaged_or_future_checkpoint_is_one_line_and_exit_4(
+    tmp_path: Path, stream: list[Msg], content: bytes, message: str
+) -> None:
+    log = tmp_path / "log"
+    write_log(log, stream[:2000])
+    rc, err = aggregate(log, tmp_path / "a.csv")
+    assert rc == 0, err
+    checkpoint = msgspec.json.decode(checkpoint_file(log).read_bytes())
+    assert checkpoint["offset"] > 0
+    checkpoint_file(log).write_bytes(content)
+    before = (tmp_path / "a.csv").read_bytes()
+    proc = hami("aggregate", "--log", log, *WINDOW_FLAGS, "--csv", tmp_path / "a.csv", "--drain")
+    assert proc.returncode == EXIT_CHECKPOINT, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("hami-usage aggregate: checkpoint of group hami-usage-aggregator")
+    assert message in line
+    assert (tmp_path / "a.csv").read_bytes() == before  # nothing was done
