@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import msgspec
 
+from . import settings_check as check
 from .aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED, CheckpointError, DamageReport
 from .config import AggregateConfig, CollectConfig, ConfigError, ReplayConfig, load
 from .layout.declarations import LAYOUTS
@@ -35,11 +37,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+def _positive(kind: Callable[[str], float], most: float = 86400.0) -> Callable[[str], float]:
+    """A number in (0, most]: finite, so no loop waits forever on it."""
+
     def parse(text: str) -> float:
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not 0 < value <= most:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be > 0 and <= {most:g}, got {text}")
         return value
 
     parse.__name__ = kind.__name__
@@ -106,6 +110,9 @@ def format_table(snap: Snapshot) -> str:
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from .simulate import run
 
+    root = Path(args.root)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"hami-usage simulate: --root {root}: not a directory")
     steps = run(
         Path(args.root), args.containers, args.layout, args.duration, args.interval, args.seed
     )
@@ -119,6 +126,24 @@ def _settings(args: argparse.Namespace, cls: type[C], section: str, names: list[
         return load(cls, section, config_file=args.config, flags=flags)
     except ConfigError as exc:
         raise UsageError(f"hami-usage {section}: {exc}") from None
+
+
+@contextmanager
+def _machine(section: str) -> Iterator[None]:
+    """Checks of the machine at start (outputs writable, roots allowed): each failure is one
+    line and exit 2, before anything starts."""
+    try:
+        yield
+    except check.SettingError as exc:
+        raise UsageError(f"hami-usage {section}: {exc}") from None
+
+
+def _outputs(section: str, cfg: ReplayConfig) -> None:
+    with _machine(section):
+        if cfg.csv:
+            check.writable_file("--csv", cfg.csv)
+        if cfg.jsonl:
+            check.writable_file("--jsonl", cfg.jsonl)
 
 
 def _logging(level: int) -> None:
@@ -140,17 +165,25 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     from .node.discover import ListingLimits
     from .node.podwatch import KubeConfigError
     from .node.service import CollectSettings, collect
+    from .transport.http import ListenError
     from .transport.kafka import ProducerSettings
 
+    if args.node == "":
+        raise UsageError("hami-usage collect: --node must not be empty")
     cfg = _settings(args, CollectConfig, "collect", COLLECT_FLAGS)
     root = Path(cfg.root)
-    if not root.is_dir():
-        raise UsageError(f"hami-usage collect: --root {root}: not a directory")
-    try:
-        Path(cfg.log).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"hami-usage collect: --log {cfg.log}: {exc.strerror}") from None
     node = cfg.node or os.environ.get("NODE_NAME") or socket.gethostname()
+    with _machine("collect"):
+        check.cache_root("--root", cfg.root)
+        check.writable_dir("--log", cfg.log)
+        if cfg.host_proc is not None and not os.path.isdir(cfg.host_proc):
+            raise check.SettingError(f"--host-proc {cfg.host_proc}: not a directory")
+        if cfg.kafka:
+            check.compression_available("--compression", cfg.compression)
+        try:
+            check.node_name("node", node)
+        except ValueError as exc:
+            raise check.SettingError(f"{exc} (from $NODE_NAME or the host name)") from None
     kafka = None
     if cfg.kafka:
         kafka = ProducerSettings(
@@ -189,6 +222,8 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     except LogLockedError as exc:
         print(f"hami-usage collect: {exc}", file=sys.stderr)
         return 1
+    except ListenError as exc:
+        raise UsageError(f"hami-usage collect: --metrics-port {exc}") from None
     return 0
 
 
@@ -263,10 +298,12 @@ def _cmd_aggregate(args: argparse.Namespace) -> int:
     import asyncio
 
     from .aggregate.service import AggregateSettings, aggregate
+    from .transport.http import ListenError
 
     cfg = _settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
     if cfg.window * 1000 % 1:
         raise UsageError("hami-usage aggregate: --window must be a whole number of milliseconds")
+    _outputs("aggregate", cfg)
     settings = AggregateSettings(
         window=_window(cfg),
         kafka=cfg.kafka,
@@ -293,6 +330,8 @@ def _cmd_aggregate(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"hami-usage aggregate: {exc}", file=sys.stderr)
         return EXIT_CHECKPOINT
+    except ListenError as exc:
+        raise UsageError(f"hami-usage aggregate: --health-port {exc}") from None
     return _damage_exit("aggregate", settings.stats.damage, cfg.accept_damaged, cfg.drain)
 
 
@@ -334,6 +373,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise UsageError("hami-usage replay: --to must be after --from")
     if not cfg.csv and not cfg.jsonl:
         raise UsageError("hami-usage replay: give --csv FILE or --jsonl FILE")
+    _outputs("replay", cfg)
     window = _window(cfg)
     _logging(logging.WARNING)
     if cfg.kafka:
@@ -423,7 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("simulate", help="write cache files the way HAMi-core does (tests, demo)")
     p.add_argument("--root", required=True, help="folder to create <podUID>_<container>/ in")
-    p.add_argument("--containers", type=int, default=4, help="number of containers (default 4)")
+    p.add_argument(
+        "--containers",
+        type=_positive(int, 4096),
+        default=4,
+        help="number of containers (default 4)",
+    )
     p.add_argument(
         "--layout", choices=[*LAYOUTS, "mixed"], default="v1.2", help="layout of the files"
     )
@@ -616,7 +661,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("demo", help="simulate a node and run the whole pipeline; print the bill")
-    p.add_argument("--duration", type=float, help="seconds of simulated usage (default 20)")
+    p.add_argument(
+        "--duration", type=_positive(float), help="seconds of simulated usage (default 20)"
+    )
     p.add_argument(
         "--out",
         default="hami-usage-demo",

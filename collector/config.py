@@ -17,9 +17,16 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
-Positive = Annotated[float, Meta(gt=0)]
-PositiveInt = Annotated[int, Meta(gt=0)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
+from . import settings_check as check
+
+# Every number has a range: finite, and far from where arithmetic on it (seconds * 1000, sums of
+# byte counts) could overflow or a loop could never end.
+HOUR = 3600.0
+DAY = 86400.0
+Positive = Annotated[float, Meta(gt=0, le=DAY)]
+PositiveInt = Annotated[int, Meta(gt=0, le=2**31 - 1)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Bytes = Annotated[int, Meta(ge=0, le=2**62)]
 ENV_PREFIX = "HAMI_USAGE_"
 
 
@@ -33,33 +40,45 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     kafka: str | None = None  # bootstrap servers; none: the embedded local log
     topic: str = "hami.usage.v1"
     log: str = "/var/lib/hami-usage/events"  # the embedded log, or the spool with --kafka
-    log_max_bytes: PositiveInt = 256 * 1024 * 1024
+    log_max_bytes: Annotated[int, Meta(gt=0, le=2**50)] = 256 * 1024 * 1024
     fsync: bool = False
-    interval: Positive = 1.0
+    interval: Annotated[float, Meta(gt=0, le=HOUR)] = 1.0
     heartbeat: Positive = 30.0
     host_proc: str | None = None  # e.g. /proc with hostPID, or /host/proc
-    linger_ms: NonNegativeInt = 50
+    linger_ms: Annotated[int, Meta(ge=0, le=60_000)] = 50
     compression: str = "gzip"
     max_scans: PositiveInt | None = None
     nvml: bool = True  # off by itself, with one log line, where there is no driver
-    nvml_timeout: Positive = 2.0
-    drift_tolerance_bytes: NonNegativeInt = 64 * 1024 * 1024
-    drift_tolerance_ratio: Annotated[float, Meta(ge=0)] = 0.05
+    nvml_timeout: Annotated[float, Meta(gt=0, le=HOUR)] = 2.0
+    drift_tolerance_bytes: Bytes = 64 * 1024 * 1024
+    drift_tolerance_ratio: Annotated[float, Meta(ge=0, le=1000)] = 0.05
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     metrics_bind_address: str = "0.0.0.0"
     metrics_hami: bool = False
     metrics_hami_legacy: bool = False
     # Bounded directory work: a container directory with more entries than this is listed at
     # most once per dir_relist seconds; listings stop for a scan once it spent listing_budget.
-    dir_max_entries: PositiveInt = 1000
+    dir_max_entries: Annotated[int, Meta(gt=0, le=10_000_000)] = 1000
     dir_relist: Positive = 60.0
-    listing_budget: Positive = 0.2
+    listing_budget: Annotated[float, Meta(gt=0, le=60)] = 0.2
     kubernetes: bool = True  # the pod watch (names); off by itself, one line, outside a cluster
     kubeconfig: str | None = None  # default: $KUBECONFIG, else the in-cluster service account
     pod_labels: list[str] = []  # pod labels copied into every record (e.g. team, cost-center)
     namespace_labels: list[str] = []  # namespace labels likewise; a pod label of a key wins
     kube_backoff_max: Positive = 30.0  # longest wait between retries of the API server
     kube_watch_timeout: PositiveInt = 300  # timeoutSeconds of one watch request
+
+    def __post_init__(self) -> None:
+        check.path("root", self.root)
+        if self.node:  # empty: taken from $NODE_NAME or the host name at start
+            check.node_name("node", self.node)
+        check.bootstrap("kafka", self.kafka)
+        check.kafka_name("topic", self.topic)
+        check.path("log", self.log)
+        check.path("host_proc", self.host_proc)
+        check.compression("compression", self.compression)
+        check.address("metrics_bind_address", self.metrics_bind_address)
+        check.path("kubeconfig", self.kubeconfig)
 
 
 class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -69,14 +88,21 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kafka: str | None = None  # bootstrap servers; none: the local log `log`
     topic: str = "hami.usage.v1"
     log: str = "/var/lib/hami-usage/events"
-    window: Positive = 60.0
-    lateness: Annotated[float, Meta(ge=0)] = 10.0
-    max_gap: Positive = 90.0
-    max_skew: Positive = 300.0
+    window: Annotated[float, Meta(gt=0, le=31 * DAY)] = 60.0
+    lateness: Annotated[float, Meta(ge=0, le=DAY)] = 10.0
+    max_gap: Annotated[float, Meta(gt=0, le=7 * DAY)] = 90.0
+    max_skew: Annotated[float, Meta(gt=0, le=7 * DAY)] = 300.0
     csv: str | None = None
     jsonl: str | None = None
     # exit 0 rather than 3 when the input was damaged (the damage is still reported)
     accept_damaged: bool = False
+
+    def __post_init__(self) -> None:
+        check.bootstrap("kafka", self.kafka)
+        check.kafka_name("topic", self.topic)
+        check.path("log", self.log)
+        check.path("csv", self.csv)
+        check.path("jsonl", self.jsonl)
 
 
 class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -87,6 +113,14 @@ class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fi
     instance: str = "0"  # transactional.id suffix: unique per replica (e.g. the pod name)
     health_port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # /healthz; None: off
     health_bind_address: str = "0.0.0.0"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check.kafka_name("billing_topic", self.billing_topic)
+        check.kafka_name("group", self.group)
+        check.http_url("otlp", self.otlp)
+        check.printable("instance", self.instance)
+        check.address("health_bind_address", self.health_bind_address)
 
 
 C = TypeVar("C", bound=msgspec.Struct)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable, Mapping
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,10 @@ TEXT = "text/plain; charset=utf-8"
 _MAX_HEADERS = 100
 
 
+class ListenError(Exception):
+    """A listener could not start: "<port> on <host>: <why>", for a one-line error."""
+
+
 class HttpServer:
     def __init__(self, host: str, port: int, routes: Mapping[str, Route]) -> None:
         self.host = host
@@ -26,8 +31,14 @@ class HttpServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> int:
-        """Listen; the actual port (for port 0). Raises OSError when the address is unusable."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        """Listen; the actual port (for port 0). Raises ListenError when the address is
+        unusable (in use, not an address of this host, a name that does not resolve)."""
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        except OSError as exc:
+            # asyncio words its own strerror; the errno's text is the short one.
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ListenError(f"{self.port} on {self.host}: {why}") from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 

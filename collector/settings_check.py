@@ -1,0 +1,196 @@
+"""Checks of setting values that a type annotation cannot say: syntax (Kafka bootstrap lists,
+names, URLs, paths) and, at start, the machine (writable outputs, forbidden roots).
+
+Syntax checks raise `ValueError("name: why")`; the settings structs call them from
+`__post_init__`, so a TOML file, the environment and flags are held to the same rules and the
+message becomes the one line `hami-usage` prints before exiting 2. Machine checks raise
+`SettingError` and run once, before a command starts work. A new setting (e.g. a Kafka security
+option) adds its check here and one call in its struct's `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import stat
+from urllib.parse import urlsplit
+
+MAX_PATH = 4096  # PATH_MAX on Linux
+MAX_NAME = 249  # Kafka's limit on topic names; group and transactional ids are held to it too
+MAX_NODE = 253  # a Kubernetes node name is a DNS subdomain
+MAX_BOOTSTRAP = 4096
+
+_KAFKA_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?"  # '_' too: some hosts file names have it
+_HOST = re.compile(rf"{_LABEL}(\.{_LABEL})*\.?")
+_PRINTABLE = re.compile(r"[\x21-\x7e]+")
+COMPRESSIONS = ("gzip", "snappy", "lz4", "zstd", "none")
+# Pseudo-filesystems: a cache-file root there reads kernel state, never HAMi's files.
+FORBIDDEN_ROOTS = ("/proc", "/sys", "/dev")
+
+
+class SettingError(Exception):
+    """A setting the machine cannot honour; the message is one line for stderr."""
+
+
+def path(name: str, value: str | None) -> None:
+    if value is None:
+        return
+    if not value:
+        raise ValueError(f"{name}: must not be empty")
+    if len(value) > MAX_PATH:
+        raise ValueError(f"{name}: longer than {MAX_PATH} characters")
+    if "\0" in value:
+        raise ValueError(f"{name}: contains a NUL character")
+
+
+def kafka_name(name: str, value: str) -> None:
+    """A topic or consumer-group name; the group also names a checkpoint file, so `..`, `/`
+    and the like are refused."""
+    if not value or len(value) > MAX_NAME or not _KAFKA_NAME.fullmatch(value):
+        raise ValueError(
+            f"{name}: {_shown(value)} is not 1 to {MAX_NAME} of the characters A-Z a-z 0-9 . _ -"
+        )
+    if value in (".", ".."):
+        raise ValueError(f"{name}: {value!r} is not a name")
+
+
+def printable(name: str, value: str, limit: int = MAX_NAME) -> None:
+    """An identifier such as a replica id: 1 to `limit` printable ASCII characters, no spaces."""
+    if not value or len(value) > limit or not _PRINTABLE.fullmatch(value):
+        raise ValueError(
+            f"{name}: {_shown(value)} is not 1 to {limit} printable characters without spaces"
+        )
+
+
+def node_name(name: str, value: str) -> None:
+    if not value:
+        raise ValueError(f"{name}: must not be empty")
+    if len(value) > MAX_NODE or not _PRINTABLE.fullmatch(value):
+        raise ValueError(
+            f"{name}: {_shown(value)} is not 1 to {MAX_NODE} printable characters without spaces"
+        )
+
+
+def bootstrap(name: str, value: str | None) -> None:
+    """`host:port[,host:port...]`; host a DNS name, an IPv4 address or a bracketed IPv6 one."""
+    if value is None:
+        return
+    if not value or len(value) > MAX_BOOTSTRAP:
+        raise ValueError(f"{name}: must be 1 to {MAX_BOOTSTRAP} characters of host:port,...")
+    for server in value.split(","):
+        _server(name, server.strip())
+
+
+def _server(name: str, server: str) -> None:
+    bad = f"{name}: {_shown(server)} is not host:port"
+    host, sep, port = server.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(bad)
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"{name}: port {port} of {_shown(server)} is outside 1..65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(bad) from None
+    elif len(host) > MAX_NODE or not _HOST.fullmatch(host):
+        raise ValueError(bad)
+
+
+def http_url(name: str, value: str | None) -> None:
+    if value is None:
+        return
+    if len(value) > MAX_PATH:
+        raise ValueError(f"{name}: longer than {MAX_PATH} characters")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{name}: {_shown(value)} is not an http(s) URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{name}: {_shown(value)} is not an http(s) URL")
+    if port == 0:
+        raise ValueError(f"{name}: port 0 in {_shown(value)}")
+
+
+def compression(name: str, value: str) -> None:
+    if value not in COMPRESSIONS:
+        raise ValueError(f"{name}: {_shown(value)} is not one of {', '.join(COMPRESSIONS)}")
+
+
+def address(name: str, value: str) -> None:
+    """A listen address: an IP address or a host name."""
+    try:
+        ipaddress.ip_address(value)
+        return
+    except ValueError:
+        pass
+    if not value or len(value) > MAX_NODE or not _HOST.fullmatch(value):
+        raise ValueError(f"{name}: {_shown(value)} is not an IP address or host name")
+
+
+def _shown(value: str) -> str:
+    """A value quoted in a message: repr, cut short so that one line stays one short line."""
+    return repr(value) if len(value) <= 60 else repr(value[:57]) + "..."
+
+
+# --- the machine, at start -------------------------------------------------------------------
+
+
+def compression_available(flag: str, value: str) -> None:
+    """The library for a Kafka compression codec must be installed, or the producer fails
+    on its first batch."""
+    from aiokafka import codec
+
+    has = {
+        "gzip": codec.has_gzip,
+        "snappy": codec.has_snappy,
+        "lz4": codec.has_lz4,
+        "zstd": codec.has_zstd,
+    }
+    if value in has and not has[value]():
+        raise SettingError(f"{flag} {value}: its compression library is not installed")
+
+
+def cache_root(flag: str, value: str) -> None:
+    real = os.path.realpath(value)
+    for forbidden in ("/", *FORBIDDEN_ROOTS):
+        if real == forbidden or (forbidden != "/" and real.startswith(forbidden + "/")):
+            raise SettingError(f"{flag} {value}: not a cache-file folder (it is {real})")
+    if not os.path.isdir(real):
+        raise SettingError(f"{flag} {value}: not a directory")
+
+
+def writable_dir(flag: str, value: str) -> None:
+    """A folder to write in: made if missing."""
+    try:
+        os.makedirs(value, exist_ok=True)
+    except OSError as exc:
+        raise SettingError(f"{flag} {value}: {exc.strerror}") from None
+    if not os.access(value, os.W_OK | os.X_OK):
+        raise SettingError(f"{flag} {value}: not writable")
+
+
+def writable_file(flag: str, value: str) -> None:
+    """A regular file to append to, or one that can be created: tried, not guessed (root passes
+    every permission check, a read-only filesystem none). A file made to try is removed."""
+    try:
+        st = os.stat(value)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise SettingError(f"{flag} {value}: {exc.strerror}") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise SettingError(f"{flag} {value}: is a directory")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise SettingError(f"{flag} {value}: not a regular file")
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | (0 if st else os.O_CREAT | os.O_EXCL)
+    try:
+        fd = os.open(value, flags, 0o644)
+    except OSError as exc:
+        raise SettingError(f"{flag} {value}: cannot write: {exc.strerror}") from None
+    os.close(fd)
+    if st is None:
+        os.unlink(value)

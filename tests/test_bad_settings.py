@@ -1,0 +1,211 @@
+"""Bad settings: one line on stderr, exit 2, no traceback, no hang, nothing started.
+
+Each case runs the real `hami-usage` command with a timeout; every value below once crashed
+with a traceback, hung, or was accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HAMI_USAGE = Path(sys.executable).parent / "hami-usage"
+LONG_NODE = "n" * 70_000
+
+
+def run(*args: str, cwd: Path, node: str = "node-a") -> subprocess.CompletedProcess[str]:
+    """The command, with a clean environment, bounded in time: a hang fails the test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_USAGE_")}
+    env["NODE_NAME"] = node
+    argv = [str(HAMI_USAGE), *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
+
+
+def assert_one_line(proc: subprocess.CompletedProcess[str], expected: str) -> None:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", expected + "\n")
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> dict[str, str]:
+    root = tmp_path / "root"
+    root.mkdir()
+    log = tmp_path / "log"
+    log.mkdir()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    return {"root": str(root), "log": str(log), "dir": str(tmp_path), "file": str(a_file)}
+
+
+COLLECT = [
+    (["--interval", "inf"], "invalid setting interval: Expected `float` <= 3600.0"),
+    (["--heartbeat", "1e300"], "invalid setting heartbeat: Expected `float` <= 86400.0"),
+    (["--kafka", "garbage,,:"], "invalid setting kafka: 'garbage' is not host:port"),
+    (
+        ["--kafka", "not-a-host:99999"],
+        "invalid setting kafka: port 99999 of 'not-a-host:99999' is outside 1..65535",
+    ),
+    (
+        ["--compression", "brotli"],
+        "invalid setting compression: 'brotli' is not one of gzip, snappy, lz4, zstd, none",
+    ),
+    (
+        ["--node", LONG_NODE],
+        "invalid setting node: 'nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn'... "
+        "is not 1 to 253 printable characters without spaces",
+    ),
+    (["--node", ""], "--node must not be empty"),
+    (
+        ["--topic", "a/b"],
+        "invalid setting topic: 'a/b' is not 1 to 249 of the characters A-Z a-z 0-9 . _ -",
+    ),  # fmt: skip
+    (
+        ["--log-max-bytes", str(2**60)],
+        "invalid setting log_max_bytes: Expected `int` <= 1125899906842624",
+    ),  # fmt: skip
+    (
+        ["--metrics-bind-address", "not an address"],
+        "invalid setting metrics_bind_address: 'not an address' is not an IP address or host name",
+    ),  # fmt: skip
+    (["--root", "/proc"], "--root /proc: not a cache-file folder (it is /proc)"),
+    (["--root", "/proc/self"], "--root /proc/self: not a cache-file folder (it is /proc/{pid})"),
+    (["--root", "/"], "--root /: not a cache-file folder (it is /)"),
+]
+
+
+@pytest.mark.parametrize("args,message", COLLECT, ids=lambda v: repr(v)[:40])
+def test_collect(paths: dict[str, str], tmp_path: Path, args: list[str], message: str) -> None:
+    base = ["collect", "--root", paths["root"], "--log", paths["log"], "--max-scans", "1"]
+    if "--root" in args:
+        base = ["collect", "--log", paths["log"], "--max-scans", "1"]
+    proc = run(*base, *args, cwd=tmp_path)
+    if "{pid}" in message:
+        real = proc.stderr.rsplit("(it is ", 1)[-1].rstrip(")\n")
+        message = message.replace("/proc/{pid}", real)
+    assert_one_line(proc, "hami-usage collect: " + message)
+    assert os.listdir(paths["log"]) == []  # nothing started
+
+
+def test_collect_node_name_from_the_environment_is_checked_too(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    args = ["collect", "--root", str(root), "--log", str(tmp_path / "log")]
+    proc = run(*args, cwd=tmp_path, node="bad node")
+    assert_one_line(
+        proc,
+        "hami-usage collect: node: 'bad node' is not 1 to 253 printable characters without "
+        "spaces (from $NODE_NAME or the host name)",
+    )
+
+
+def test_collect_metrics_port_in_use(paths: dict[str, str], tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run(
+            "collect",
+            "--root",
+            paths["root"],
+            "--log",
+            paths["log"],
+            "--max-scans",
+            "1",
+            "--no-nvml",
+            "--metrics-port",
+            str(port),
+            "--metrics-bind-address",
+            "127.0.0.1",
+            cwd=tmp_path,
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    # After the collector's own log lines (timestamped), exactly one line that says why.
+    last = proc.stderr.splitlines()[-1]
+    assert last == (
+        f"hami-usage collect: --metrics-port {port} on 127.0.0.1: Address already in use"
+    ), proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if not ln[:4].isdigit()] == [last]
+
+
+AGGREGATE = [
+    (["--max-gap", "inf"], "invalid setting max_gap: Expected `float` <= 604800.0"),
+    (["--window", "1e12"], "invalid setting window: Expected `float` <= 2678400.0"),
+    (["--lateness", "1e300"], "invalid setting lateness: Expected `float` <= 86400.0"),
+    (
+        ["--group", "../x"],
+        "invalid setting group: '../x' is not 1 to 249 of the characters A-Z a-z 0-9 . _ -",
+    ),  # fmt: skip
+    (["--group", ".."], "invalid setting group: '..' is not a name"),
+    (["--otlp", "notaurl"], "invalid setting otlp: 'notaurl' is not an http(s) URL"),
+    (
+        ["--otlp", "ftp://x/v1/metrics"],
+        "invalid setting otlp: 'ftp://x/v1/metrics' is not an http(s) URL",
+    ),  # fmt: skip
+    (["--kafka", "garbage,,:"], "invalid setting kafka: 'garbage' is not host:port"),
+    (
+        ["--instance", "a b"],
+        "invalid setting instance: 'a b' is not 1 to 249 printable characters without spaces",
+    ),  # fmt: skip
+    (["--csv", "{dir}"], "--csv {dir}: is a directory"),
+    (["--jsonl", "/sys/x.jsonl"], "--jsonl /sys/x.jsonl: cannot write: Permission denied"),
+    (
+        ["--jsonl", "{dir}/missing/x.jsonl"],
+        "--jsonl {dir}/missing/x.jsonl: cannot write: No such file or directory",
+    ),  # fmt: skip
+    (["--csv", "/dev/null"], "--csv /dev/null: not a regular file"),
+]
+
+
+@pytest.mark.parametrize("args,message", AGGREGATE, ids=lambda v: repr(v)[:40])
+def test_aggregate(paths: dict[str, str], tmp_path: Path, args: list[str], message: str) -> None:
+    args = [a.replace("{dir}", paths["dir"]) for a in args]
+    proc = run("aggregate", "--log", paths["log"], "--drain", *args, cwd=tmp_path)
+    assert_one_line(proc, "hami-usage aggregate: " + message.replace("{dir}", paths["dir"]))
+    assert os.listdir(paths["log"]) == []  # no checkpoint written: nothing started
+
+
+def test_replay_checks_its_outputs_and_numbers(paths: dict[str, str], tmp_path: Path) -> None:
+    span = ["--from", "2024-01-01T00:00Z", "--to", "2024-01-02T00:00Z"]
+    proc = run("replay", "--log", paths["log"], *span, "--csv", paths["dir"], cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage replay: --csv {paths['dir']}: is a directory")
+    csv = str(tmp_path / "out.csv")
+    proc = run("replay", "--log", paths["log"], *span, "--csv", csv, "--max-gap", "inf",
+               cwd=tmp_path)  # fmt: skip
+    assert_one_line(proc, "hami-usage replay: invalid setting max_gap: Expected `float` <= "
+                          "604800.0")  # fmt: skip
+    assert not Path(csv).exists()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--root", "{file}"], "hami-usage simulate: --root {file}: not a directory"),
+        (
+            ["--root", "{dir}", "--interval", "inf"],
+            "argument --interval: must be > 0 and <= 86400, got inf",
+        ),  # fmt: skip
+        (
+            ["--root", "{dir}", "--containers", "100000"],
+            "argument --containers: must be > 0 and <= 4096, got 100000",
+        ),  # fmt: skip
+    ],
+    ids=["root-a-file", "interval-inf", "containers"],
+)
+def test_simulate(paths: dict[str, str], tmp_path: Path, args: list[str], message: str) -> None:
+    args = [a.replace("{file}", paths["file"]).replace("{dir}", paths["dir"]) for a in args]
+    proc = run("simulate", "--duration", "1", *args, cwd=tmp_path)
+    message = message.replace("{file}", paths["file"])
+    if message.startswith("argument"):
+        message = "hami-usage simulate: " + message
+    assert_one_line(proc, message)
+
+
+def test_demo_duration_is_bounded(tmp_path: Path) -> None:
+    proc = run("demo", "--duration", "inf", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert_one_line(proc, "hami-usage demo: argument --duration: must be > 0 and <= 86400, got inf")
