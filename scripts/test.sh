@@ -5,5 +5,5 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 bash scripts/kafka.sh start >/dev/null
 # The operators' tools the tests run (built once, cached outside the checkout).
-bash scripts/tools.sh promtool otelcol compose-check >/dev/null
+bash scripts/tools.sh all >/dev/null
 exec .venv/bin/pytest -q -p no:cacheprovider "$@"

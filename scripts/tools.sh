@@ -16,6 +16,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS="${HAMI_USAGE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/hami-usage-tools}"
 OTELCOL_VERSION=0.135.0
 HELM_VERSION=3.19.0
+HELM_K8S_MINOR=34
 # Debian bookworm's prometheus (2.42); the version is part of the cache key only.
 PROMETHEUS_DEB=2.42.0
 
@@ -62,9 +63,15 @@ build_otelcol() {
     rm -rf "$out/src" "$out/bin"
 }
 
+# The -X flags are what helm's Makefile sets: its version, and the Kubernetes version `helm
+# template` and `helm lint` assume without --kube-version (that of its client-go, 1.34).
 build_helm() {
-    gobuild env GOBIN="$1" go install -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION" \
-        "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
+    local x="-X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION"
+    local k
+    for k in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+        x+=" -X $k.k8sVersionMajor=1 -X $k.k8sVersionMinor=$HELM_K8S_MINOR"
+    done
+    gobuild env GOBIN="$1" go install -ldflags "-s -w $x" "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
 }
 
 build_compose_check() {
@@ -103,7 +110,7 @@ tool() {
     case "$1" in
         promtool) build promtool "$PROMETHEUS_DEB" build_promtool ;;
         otelcol) build otelcol "$OTELCOL_VERSION-$(hash_of "$ROOT/scripts/tools/otelcol-builder.yaml")" build_otelcol ;;
-        helm) build helm "$HELM_VERSION" build_helm ;;
+        helm) build helm "$HELM_VERSION-k8s1.$HELM_K8S_MINOR" build_helm ;;
         compose-check)
             build compose-check "$(hash_of "$ROOT"/scripts/tools/compose-check/{go.mod,go.sum,main.go})" \
                 build_compose_check
