@@ -291,6 +291,7 @@ def _window(cfg: AggregateConfig | ReplayConfig) -> WindowSettings:
         lateness_ms=round(cfg.lateness * 1000),
         max_gap_ms=round(cfg.max_gap * 1000),
         max_skew_ms=round(cfg.max_skew * 1000),
+        allocation_policy=cfg.allocation_policy,
     )
 
 
@@ -405,6 +406,7 @@ REPLAY_FLAGS = [
     "lateness",
     "max_gap",
     "max_skew",
+    "allocation_policy",
     "csv",
     "jsonl",
 ]
@@ -610,6 +612,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-skew", type=float, help="events this far ahead of their record time are future"
     )
+    p.add_argument(
+        "--allocation-policy",
+        metavar="{cores,memory,max,usage}",
+        help="how a GPU's time is shared out among its containers (default max)",
+    )
     p.add_argument("--csv", metavar="FILE", help="append billing records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="append billing records as JSON Lines")
     p.add_argument(
@@ -649,6 +656,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-gap", type=float, help="longest a sample holds, seconds (default 90)")
     p.add_argument(
         "--max-skew", type=float, help="events this far ahead of their record time are future"
+    )
+    p.add_argument(
+        "--allocation-policy",
+        metavar="{cores,memory,max,usage}",
+        help="how a GPU's time is shared out among its containers (default max)",
     )
     p.add_argument("--csv", metavar="FILE", help="write the records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="write the records as JSON Lines")

@@ -12,7 +12,7 @@ import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -92,6 +92,7 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lateness: Annotated[float, Meta(ge=0, le=DAY)] = 10.0
     max_gap: Annotated[float, Meta(gt=0, le=7 * DAY)] = 90.0
     max_skew: Annotated[float, Meta(gt=0, le=7 * DAY)] = 300.0
+    allocation_policy: Literal["cores", "memory", "max", "usage"] = "max"
     csv: str | None = None
     jsonl: str | None = None
     # exit 0 rather than 3 when the input was damaged (the damage is still reported)

@@ -140,7 +140,9 @@ def test_local_log_service(tmp_path: Path) -> None:
     msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
     log, csv, jsonl, cmd = local_run(tmp_path, msgs)
     expected = reference(msgs)
-    assert len(expected) == 2 * (12 + 12 + 8)
+    assert len([r for r in expected if r.kind == "container"]) == 2 * (12 + 12 + 8)
+    # and per node, GPU (2) and window (6): the GPU's record and its idle time
+    assert len(expected) == 2 * (12 + 12 + 8) + 2 * 2 * 6 * 2
     # When windows are closed does not matter (the service advances after every batch).
     assert reference(msgs, advance_every=1) == reference(msgs, advance_every=250) == expected
 
@@ -286,6 +288,8 @@ def test_local_log_service_pushes_otlp(tmp_path: Path) -> None:
     assert usage.unit == "{By.s}" and usage.is_monotonic
     want: dict[tuple[str, str, str], float] = {}
     for r in expected:
+        if r.kind in ("gpu", "idle"):  # a GPU's own records are not exported
+            continue
         key = (r.pod_uid, r.container, r.device_uuid)
         want[key] = want.get(key, 0.0) + r.memory_byte_seconds
     got = {

@@ -67,6 +67,12 @@ def test_record_id_is_distinct_per_component() -> None:
     ]
     ids = {make_record_id(*v) for v in [base, *variants]}
     assert len(ids) == 7
+    # a GPU's own rows share the node row's identity but not its id; containers keep theirs
+    node = (T0, "n1", "", "", "GPU-0", 0)
+    kinds = {make_record_id(*node, kind=k) for k in ("node", "gpu", "idle")}
+    assert len(kinds) == 3
+    assert make_record_id(*node, kind="node") == make_record_id(*node)
+    assert make_record_id(*base, kind="container") == make_record_id(*base)
 
 
 def test_iso_formatting() -> None:
@@ -98,6 +104,12 @@ def test_csv_header_is_exact() -> None:
         "samples",
         "record_id",
         "revision",
+        "kind",
+        "gpu_model",
+        "gpu_memory_bytes",
+        "allocated_gpu_seconds",
+        "used_gpu_seconds",
+        "overcommitted",
     ]
 
 
@@ -108,6 +120,10 @@ def test_csv_row_values() -> None:
         workload_kind="StatefulSet",
         workload="train",
         labels={"team": "vision", "cost-center": 'cc "17"'},
+        gpu_model="NVIDIA H100 80GB HBM3",
+        gpu_memory_bytes=85_520_809_984,
+        allocated_gpu_seconds=15.0,
+        used_gpu_seconds=4.125,
     )
     assert csv_row(r) == [
         "2026-11-29T22:37:00Z",
@@ -131,6 +147,12 @@ def test_csv_row_values() -> None:
         "3",
         r.record_id,
         "0",
+        "container",
+        "NVIDIA H100 80GB HBM3",
+        "85520809984",
+        "15.000",
+        "4.125",
+        "false",
     ]
 
 

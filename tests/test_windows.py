@@ -118,8 +118,10 @@ def run(
     node: str = "n1",
     agg: Aggregator | None = None,
     flush: bool = True,
+    kinds: tuple[str, ...] = ("container", "node"),
 ) -> tuple[list[BillingRecord], Aggregator]:
-    """Feed events one by one (advance after each), then flush."""
+    """Feed events one by one (advance after each), then flush; the records of `kinds` (the
+    per-GPU allocation records are tested in test_fair_share.py)."""
     agg = agg or Aggregator(settings_)
     out: list[BillingRecord] = []
     for i, e in enumerate(events):
@@ -127,7 +129,12 @@ def run(
         out += agg.advance()
     if flush:
         out += agg.flush()
-    return out, agg
+    return [r for r in out if r.kind in kinds], agg
+
+
+def usage(records: list[BillingRecord]) -> list[BillingRecord]:
+    """The container and node records (without the per-GPU allocation records)."""
+    return [r for r in records if r.kind in ("container", "node")]
 
 
 def one(records: list[BillingRecord], window_start_ms: int, device: str = "GPU-0") -> BillingRecord:
@@ -168,7 +175,7 @@ def test_constant_value_over_a_whole_window() -> None:
     assert r.samples == 2  # rows at 0 s and 30 s
     assert r.revision == 0
     assert agg.emitted_until_ms == 60_000
-    assert agg.stats.records == 1
+    assert agg.stats.records == 3  # the container row, its GPU and its idle time
 
 
 def test_step_inside_a_window() -> None:
@@ -425,7 +432,7 @@ def test_future_events_are_dropped_and_counted() -> None:
     agg.add("n1", c.sample(300_001, row(1, 999)), record_ts_ms=0)  # > 300 s ahead
     agg.add("n1", c.sample(300_000, row(1, 100)), record_ts_ms=0)  # exactly max_skew: kept
     assert agg.stats.future_events == 1
-    records = agg.flush()
+    records = usage(agg.flush())
     assert max(r.peak_memory_bytes for r in records) == 100
 
 
@@ -494,9 +501,9 @@ def test_multiple_nodes_and_sources_use_the_minimum_watermark() -> None:
     agg.add("nb", b.sample(0, row(1, 7)), source=1, offset=1)
     agg.add("na", a.sample(200_000, row(1, 100)), source=0, offset=2)
     agg.add("nb", b.sample(65_000, row(1, 7)), source=1, offset=2)
-    assert agg.advance() == []  # watermark min(190, 55) s
+    assert usage(agg.advance()) == []  # watermark min(190, 55) s
     agg.add("nb", b.sample(75_000, row(1, 7)), source=1, offset=3)
-    records = agg.advance()  # watermark min(190, 65) s
+    records = usage(agg.advance())  # watermark min(190, 65) s
     assert [(r.node, r.window_start_ms, r.memory_byte_seconds) for r in records] == [
         ("na", 0, 6000.0),
         ("nb", 0, 420.0),
@@ -554,7 +561,7 @@ def test_flush_closes_everything() -> None:
     assert windows(records) == [0, 60_000, 120_000, 180_000]
     assert one(records, 180_000).memory_byte_seconds == 50 * 10  # capped at 190 s
     assert agg.emitted_until_ms == 240_000  # ceil(190 s) to the window
-    assert agg.flush() == []
+    assert usage(agg.flush()) == []
     # nothing open, but the identity (offset 0) is kept 2 x max_gap after the last event
     assert agg.needed_offsets() == {0: 0}
 
@@ -581,15 +588,15 @@ def test_needed_offsets_exact() -> None:
 
     assert agg.needed_offsets() == {}
     feed(0, 6)
-    assert agg.advance() == []  # watermark 55 s
+    assert usage(agg.advance()) == []  # watermark 55 s
     assert agg.needed_offsets() == {0: 0}  # nothing closed: everything is pending
     feed(6, 7)
-    assert windows(agg.advance()) == [0]  # watermark 61 s
+    assert windows(usage(agg.advance())) == [0]  # watermark 61 s
     assert agg.needed_offsets() == {0: 4}  # pid 1, identity, limits, presence: the 30 s hb
     agg.add("n2", Collector(inc=9).anomaly(200_000), source=1, offset=41)
     assert agg.needed_offsets() == {0: 4, 1: 42}
     feed(7, 10)
-    assert windows(agg.advance()) == [60_000]  # watermark 121 s
+    assert windows(usage(agg.advance())) == [60_000]  # watermark 121 s
     assert agg.needed_offsets() == {0: 7, 1: 42}  # the 90 s hb; 8 and 9 are pending
 
 
@@ -606,7 +613,7 @@ def test_restart_from_needed_offsets_gives_the_same_records() -> None:
         if k == 17:
             stream.append(c.exited(ts + 2, 2))
     stream.append(c.gone(300_000))
-    full, _ = run(stream)
+    full, _ = run(stream, kinds=("container", "node", "gpu", "idle"))
     for cut in (3, 12, 20, 33, len(stream) - 1):
         first = Aggregator(S)
         for off in range(cut):
@@ -875,12 +882,12 @@ def test_node_needed_offsets_exact_and_restart() -> None:
     agg = Aggregator(S)
     for off in range(4):
         agg.add("n1", stream[off], offset=off)
-    first = agg.advance()  # watermark 65 s
+    first = usage(agg.advance())  # watermark 65 s
     assert [(r.window_start_ms, r.device_uuid) for r in first] == [(0, "GPU-0"), (0, "GPU-1")]
     assert agg.needed_offsets() == {0: 0}  # GPU-1 (sampled at offset 0) is live until 91 s
     agg.add("n1", stream[4], offset=4)
     agg.add("n1", stream[5], offset=5)
-    assert windows(agg.advance()) == [60_000, 60_000]  # watermark 121 s
+    assert windows(usage(agg.advance())) == [60_000, 60_000]  # watermark 121 s
     assert node_one(full, 60_000, "GPU-1").memory_byte_seconds == 2 * 31
     assert agg.needed_offsets() == {0: 3}  # GPU-0's 75 s sample; GPU-1 expired at 91 s
     second = Aggregator(S, emitted_until_ms=120_000)
@@ -1062,8 +1069,8 @@ def feed_all(events: Sequence[Event], advance_at: set[int] | None = None) -> lis
     for i, e in enumerate(events):
         agg.add("n1", e, offset=i)
         if advance_at is None or i in advance_at:
-            out += agg.advance()
-    out += agg.flush()
+            out += usage(agg.advance())
+    out += usage(agg.flush())
     # A duplicate redelivered long after its incarnation was forgotten counts as late instead.
     assert advance_at is not None or agg.stats.late_events == 0
     return sorted(out, key=lambda r: (r.window_start_ms, r.pod_uid, r.device_uuid))
@@ -1139,8 +1146,8 @@ def test_restart_anywhere_gives_the_same_records(events: list[Event], data: st.D
     out: list[BillingRecord] = []
     for off in range(start, len(events)):
         second.add("n1", events[off], offset=off)
-        out += second.advance()
-    out += second.flush()
+        out += usage(second.advance())
+    out += usage(second.flush())
     out.sort(key=lambda r: (r.window_start_ms, r.pod_uid, r.device_uuid))
     assert out == [r for r in full if r.window_end_ms > emitted]
 
@@ -1157,12 +1164,12 @@ def test_any_arrival_order_is_safe(events: list[Event], rng: random.Random) -> N
     for i, e in enumerate(shuffled):
         agg.add("n1", e, offset=i)
         if rng.random() < 0.5:
-            batch = agg.advance()
+            batch = usage(agg.advance())
             assert batch == sorted(batch, key=lambda r: (r.window_start_ms, r.pod_uid))
             out += batch
         if rng.random() < 0.1:
             assert all(g.memory_used_bytes >= 0 for g in agg.gauges())
-    out += agg.flush()
+    out += usage(agg.flush())
     ids = [r.record_id for r in out]
     assert len(ids) == len(set(ids))
     for r in out:

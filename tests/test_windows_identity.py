@@ -108,7 +108,7 @@ def test_batching_and_advance_timing_do_not_change_the_names() -> None:
     for ts, who in [(5_000, TEAM_A), (95_000, TEAM_B), (250_000, TEAM_A)]:
         at = next(i for i, e in enumerate(events) if e.ts > ts)
         events.insert(at, ident(c, ts, who))
-    expected, _ = run(events)
+    expected, _ = run(events, kinds=("container", "node", "gpu", "idle"))
     for _ in range(5):
         agg = Aggregator(S)
         out: list[BillingRecord] = []

@@ -386,6 +386,9 @@ class OtlpExporter:
                 self._record(rec)
 
     def _record(self, rec: BillingRecord) -> None:
+        if rec.kind in ("gpu", "idle"):
+            # A GPU's own rows have the node row's attributes: they would add to its series.
+            return
         record_id = rec.record_id
         if record_id and record_id in self._seen:
             self.duplicate_records += 1

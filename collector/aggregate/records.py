@@ -19,6 +19,7 @@ import msgspec
 
 __all__ = [
     "CSV_FIELDS",
+    "KINDS",
     "BillingRecord",
     "Gauge",
     "csv_header",
@@ -60,6 +61,15 @@ class BillingRecord(msgspec.Struct, frozen=True):
     # Always 0 today (late events are counted, not corrected); kept so corrections can be added
     # without a schema change.
     revision: int = 0
+    # Fair share of the physical GPU (`windows.allocate`): `container` and `node` rows, one
+    # `gpu` row (observed_seconds: time the GPU was heard from; allocated/used: the sums) and
+    # one `idle` row (allocated/used: observed minus the sums) per GPU and window.
+    kind: str = "container"
+    gpu_model: str = ""  # NVML name, empty without an inventory
+    gpu_memory_bytes: int = 0  # 0 without an inventory
+    allocated_gpu_seconds: float = 0.0
+    used_gpu_seconds: float = 0.0
+    overcommitted: bool = False  # the GPU's shares were scaled down to its observed time
 
 
 class Gauge(msgspec.Struct, frozen=True):
@@ -75,9 +85,19 @@ class Gauge(msgspec.Struct, frozen=True):
     nvml_memory_bytes: int
 
 
-def record_order(r: BillingRecord) -> tuple[int, str, str, str, str]:
+KINDS: Final = ("node", "gpu", "idle", "container")  # the order of a GPU's rows with no pod
+
+
+def record_order(r: BillingRecord) -> tuple[int, str, str, str, str, int]:
     """The order records are written in, live and in replay alike (so their files match)."""
-    return (r.window_start_ms, r.node, r.pod_uid, r.container, r.device_uuid)
+    return (
+        r.window_start_ms,
+        r.node,
+        r.pod_uid,
+        r.container,
+        r.device_uuid,
+        KINDS.index(r.kind),
+    )
 
 
 def make_record_id(
@@ -87,8 +107,11 @@ def make_record_id(
     container: str,
     device_uuid: str,
     revision: int = 0,
+    kind: str = "container",
 ) -> str:
     text = f"{window_start_ms}|{node}|{pod_uid}|{container}|{device_uuid}|{revision}"
+    if kind in ("gpu", "idle"):  # container and node rows keep the ids they always had
+        text += f"|{kind}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -141,6 +164,12 @@ CSV_FIELDS: Final[tuple[str, ...]] = (
     "samples",
     "record_id",
     "revision",
+    "kind",
+    "gpu_model",
+    "gpu_memory_bytes",
+    "allocated_gpu_seconds",
+    "used_gpu_seconds",
+    "overcommitted",
 )
 
 
@@ -183,6 +212,12 @@ def csv_row(record: BillingRecord) -> list[str]:
         str(r.samples),
         r.record_id,
         str(r.revision),
+        r.kind,
+        r.gpu_model,
+        str(r.gpu_memory_bytes),
+        _seconds(r.allocated_gpu_seconds),
+        _seconds(r.used_gpu_seconds),
+        "true" if r.overcommitted else "false",
     ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ...events import (
     ContainerAppeared,
     ContainerGone,
+    DeviceInventory,
     Event,
     Heartbeat,
     LimitsChanged,
@@ -30,6 +31,7 @@ from .gauges import gauges
 from .identity import Identities
 from .incarnations import Incarnations
 from .integrate import Integrator
+from .inventory import Inventory
 from .late import count_late
 from .output import Output
 from .progress import Progress
@@ -59,7 +61,15 @@ class Aggregator:
         self._identities = Identities(
             self._w, self._lateness, RETAIN_GAPS * self._gap + self._lateness + self._w
         )
-        output = Output(self._w, emitted_until_ms, self.stats, self._identities)
+        self._inv = Inventory(settings.max_gap_ms)
+        output = Output(
+            self._w,
+            emitted_until_ms,
+            self.stats,
+            self._identities,
+            settings.allocation_policy,
+            self._inv,
+        )
         self._ig = Integrator(settings, self.stats, output)
 
     @property
@@ -122,7 +132,9 @@ class Aggregator:
             rows = len(event.rows)
         elif isinstance(event, PodIdentity):
             self._identities.learn(node, event.identity, ts, seq, source, offset)
-        # LayoutAnomaly, DeviceInventory: counted above, nothing to integrate.
+        elif isinstance(event, DeviceInventory):
+            self._inv.state(node, event)
+        # LayoutAnomaly: counted above, nothing to integrate.
         if eff != ts:
             assert closed is not None
             count_late(stats, rows, ts, closed, self._gap)
@@ -166,8 +178,8 @@ class Aggregator:
             self._maybe_supersede(tr, target)
             run(ig, tr, target)
         self._closed = target
+        records = ig.output.records()  # before pruning: it reads the inventory
         self._prune(target)
-        records = ig.output.records()
         self._identities.prune(target)  # after the records took their names
         return records
 
@@ -206,6 +218,7 @@ class Aggregator:
         # An older incarnation is forgotten (with its de-duplication state) once it has no
         # containers and its last event is well behind the closed end.
         self._incs.prune(live_incs, closed - gap - self._lateness - self._w)
+        self._inv.prune(closed)
 
     # --- checkpoints and gauges ----------------------------------------------------------
 

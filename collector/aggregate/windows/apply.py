@@ -215,6 +215,7 @@ def forget(ig: Integrator, tr: Track) -> None:
     tr.pod_uid = None
     tr.container = ""
     for d in tr.devs.values():
+        d.settle()
         d.uuid = None
         d.limit = d.sm_limit = 0
     tr.limits_ts = None
@@ -224,6 +225,8 @@ def set_limits(ig: Integrator, tr: Track, devices: list[DeviceLimit], t: int, of
     """The device list of an appeared/heartbeat/limits event is the whole table."""
     table = {x.index: x for x in devices}
     devs = tr.devs
+    for d in devs.values():
+        d.settle()
     for i, d in devs.items():
         if d.uuid is not None and (i not in table or table[i].uuid != d.uuid):
             ig.output.emit(tr)  # a device leaves the table: hand out its window so far

@@ -36,6 +36,7 @@ class Integrator:
         w = self.w
         gap = self.gap
         devs = tr.devs.values()
+        node = tr.uuids is not None
         while a < b:
             # presence counts only while the container is named (it is billed by name)
             pres_end = tr.last_ts + gap if tr.alive and tr.pod_uid is not None else a
@@ -56,10 +57,16 @@ class Integrator:
             if pres_end > a:
                 pdt = (c if c < pres_end else pres_end) - a
                 tr.obs += pdt
+                ivs = tr.ivs
+                if ivs and ivs[-1][1] == a:
+                    ivs[-1][1] = a + pdt
+                else:
+                    ivs.append([a, a + pdt])
             for d in devs:
                 if pdt:
                     d.lim += d.limit * pdt
                     d.smlim += d.sm_limit * pdt
+                    d.pres += pdt
                 if d.nkeys:
                     total = d.total
                     d.mem += total * dt
@@ -68,6 +75,12 @@ class Integrator:
                     d.cov += dt
                     if total > d.peak:
                         d.peak = total
+                    if node:
+                        div = d.ivs
+                        if div and div[-1][1] == a:
+                            div[-1][1] = c
+                        else:
+                            div.append([a, c])
             a = c
 
     def expire(self, tr: Track, t: int) -> int:

@@ -1,21 +1,31 @@
-"""What closed windows hand out: per-track accumulators merged by billing row into records.
+"""What closed windows hand out: per-track accumulators merged by billing row into records,
+and per GPU the fair-share allocation of its observed time (`allocate`).
 
 Groups that map to the same row (node, pod_uid, container, device_uuid) in one window are added
-up (integrals, samples, observed time); the peak is the largest of theirs. Integrals are exact
-integers in milli-units until the record is built. Each container row is named by its pod's
-identity for that window (`identity`); a row without one is counted in `unnamed_records`."""
+up (integrals, samples, observed time, present time per limits); the peak is the largest of
+theirs. Integrals are exact integers in milli-units until the record is built. Each container
+row is named by its pod's identity for that window (`identity`); a row without one is counted
+in `unnamed_records`.
+
+A GPU (node, device_uuid) is observed in a window while a named container that lists it is
+present or its node row has a live key: the union of those intervals. It gets one `gpu` and one
+`idle` record per window it was observed in."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ...events import Identity
-from ..records import BillingRecord, make_record_id
+from ..records import BillingRecord, make_record_id, record_order
+from .allocate import Policy, allocated_ms, fit, observed_ms, used_ms
 from .identity import Identities
+from .inventory import Inventory
 from .state import RowKey, Track
 from .stats import AggregateStats
 
 __all__ = ["Output"]
+
+GpuKey = tuple[int, str, str]  # (window start, node, device uuid)
 
 _NAMES: dict[str, Any] = {}
 
@@ -30,20 +40,38 @@ def _names(who: Identity) -> dict[str, Any]:
     }
 
 
+class _Row:
+    __slots__ = ("lim", "mem", "nvml", "obs", "peak", "samples", "shares", "sm", "smlim")
+
+    def __init__(self) -> None:
+        self.mem = self.nvml = self.sm = self.lim = self.smlim = 0
+        self.peak = self.samples = self.obs = 0
+        self.shares: dict[tuple[int, int], int] = {}
+
+
 class Output:
     """Rows of the windows being closed, merged by billing row; windows ending at or before
     `suppress` (already emitted by an earlier run) are computed but never handed out."""
 
-    __slots__ = ("_identities", "_rows", "_stats", "_suppress", "_w")
+    __slots__ = ("_gpus", "_identities", "_inv", "_policy", "_rows", "_stats", "_suppress", "_w")
 
     def __init__(
-        self, window_ms: int, suppress: int, stats: AggregateStats, identities: Identities
+        self,
+        window_ms: int,
+        suppress: int,
+        stats: AggregateStats,
+        identities: Identities,
+        policy: Policy = "max",
+        inventory: Inventory | None = None,
     ) -> None:
         self._identities = identities
         self._w = window_ms
         self._suppress = suppress
         self._stats = stats
-        self._rows: dict[RowKey, list[int]] = {}
+        self._policy: Policy = policy
+        self._inv = inventory
+        self._rows: dict[RowKey, _Row] = {}
+        self._gpus: dict[GpuKey, list[list[int]]] = {}  # observed intervals
 
     def emit(self, tr: Track) -> None:
         """Hand what `tr` accumulated in its window to the output, merged by billing row. Also
@@ -52,65 +80,141 @@ class Output:
         if ws is None:
             return
         obs = tr.obs
+        ivs = tr.ivs
         tr.obs = 0
+        tr.ivs = []
         pod_uid = tr.pod_uid
         wanted = pod_uid is not None and ws + self._w > self._suppress
         per_device = tr.uuids is not None  # a node row is observed while its key is live
         out = self._rows
+        gpus = self._gpus
         for d in tr.devs.values():
             if per_device:
                 obs = d.cov
+                ivs = d.ivs
+            d.settle()
             if wanted and d.uuid is not None and (obs or d.has_window()):
                 assert pod_uid is not None
                 key = (ws, tr.node, pod_uid, tr.container, d.uuid)
                 row = out.get(key)
                 if row is None:
-                    out[key] = [d.mem, d.nvml, d.smp, d.lim, d.smlim, d.peak, d.samples, obs]
-                else:
-                    row[0] += d.mem
-                    row[1] += d.nvml
-                    row[2] += d.smp
-                    row[3] += d.lim
-                    row[4] += d.smlim
-                    row[5] = max(row[5], d.peak)
-                    row[6] += d.samples
-                    row[7] += obs
+                    row = out[key] = _Row()
+                row.mem += d.mem
+                row.nvml += d.nvml
+                row.sm += d.smp
+                row.lim += d.lim
+                row.smlim += d.smlim
+                if d.peak > row.peak:
+                    row.peak = d.peak
+                row.samples += d.samples
+                row.obs += obs
+                shares = row.shares
+                for lk, ms in d.shares.items():
+                    shares[lk] = shares.get(lk, 0) + ms
+                if ivs:
+                    gpus.setdefault((ws, tr.node, d.uuid), []).extend(ivs)
             d.reset_window()
 
     def records(self) -> list[BillingRecord]:
-        """The merged rows as records, sorted by (window_start, node, pod_uid, container,
-        device_uuid); the output is empty afterwards."""
+        """The merged rows as records, sorted by `record_order`; the output is empty after."""
         out = self._rows
+        gpus = self._gpus
         self._rows = {}
-        w = self._w
+        self._gpus = {}
+        by_gpu: dict[GpuKey, list[RowKey]] = {}
+        for key in out:
+            by_gpu.setdefault((key[0], key[1], key[4]), []).append(key)
         records = []
-        unnamed = 0
-        for key in sorted(out):
-            ws, node, pod_uid, container, uuid = key
-            mem, nvml, smp, lim, smlim, peak, samples, obs = out[key]
-            who = self._identities.at(node, pod_uid, ws + w) if pod_uid else None
+        for gk in sorted(by_gpu.keys() | gpus.keys()):
+            records.extend(self._gpu(gk, sorted(by_gpu.get(gk, ())), out, gpus.get(gk, [])))
+        records.sort(key=record_order)
+        self._stats.records += len(records)
+        return records
+
+    def _gpu(
+        self, gk: GpuKey, keys: list[RowKey], out: dict[RowKey, _Row], ivs: list[list[int]]
+    ) -> list[BillingRecord]:
+        """The records of one GPU in one window: its rows, then its gpu and idle records."""
+        ws, node, uuid = gk
+        we = ws + self._w
+        info = None if self._inv is None else self._inv.lookup(node, uuid, ws, we)
+        model, memory = info if info is not None else ("", 0)
+        observed = observed_ms(ivs)
+        policy = self._policy
+        if memory <= 0 and policy in ("memory", "max"):
+            self._stats.allocation_fallbacks += 1
+        ctrs = [k for k in keys if k[2]]  # node rows (empty pod_uid) are allocated nothing
+        used, _ = fit([used_ms(out[k].sm, out[k].mem, memory) for k in ctrs], observed)
+        if policy == "usage":
+            alloc, over = list(used), False
+        else:
+            alloc, over = fit([allocated_ms(policy, out[k].shares, memory) for k in ctrs], observed)
+        if over:
+            self._stats.overcommitted += 1
+        share = {k: (a, u) for k, a, u in zip(ctrs, alloc, used, strict=True)}
+        records = []
+        for key in keys:
+            _, _, pod_uid, container, _ = key
+            r = out[key]
+            a, u = share.get(key, (0, 0))
+            who = self._identities.at(node, pod_uid, we) if pod_uid else None
             if who is None and pod_uid:
-                unnamed += 1
+                self._stats.unnamed_records += 1
             records.append(
                 BillingRecord(
                     window_start_ms=ws,
-                    window_end_ms=ws + w,
+                    window_end_ms=we,
                     node=node,
                     pod_uid=pod_uid,
                     container=container,
                     device_uuid=uuid,
-                    memory_byte_seconds=mem / 1000,
-                    memory_limit_byte_seconds=lim / 1000,
-                    nvml_memory_byte_seconds=nvml / 1000,
-                    sm_percent_seconds=smp / 1000,
-                    sm_limit_percent_seconds=smlim / 1000,
-                    peak_memory_bytes=peak,
-                    observed_seconds=obs / 1000,
-                    samples=samples,
+                    memory_byte_seconds=r.mem / 1000,
+                    memory_limit_byte_seconds=r.lim / 1000,
+                    nvml_memory_byte_seconds=r.nvml / 1000,
+                    sm_percent_seconds=r.sm / 1000,
+                    sm_limit_percent_seconds=r.smlim / 1000,
+                    peak_memory_bytes=r.peak,
+                    observed_seconds=r.obs / 1000,
+                    samples=r.samples,
                     record_id=make_record_id(ws, node, pod_uid, container, uuid, 0),
+                    kind="container" if pod_uid else "node",
+                    gpu_model=model,
+                    gpu_memory_bytes=memory,
+                    allocated_gpu_seconds=a / 1000,
+                    used_gpu_seconds=u / 1000,
+                    overcommitted=over and bool(pod_uid),
                     **(_NAMES if who is None else _names(who)),
                 )
             )
-        self._stats.records += len(records)
-        self._stats.unnamed_records += unnamed
+        sa = sum(alloc)
+        su = sum(used)
+        for kind, obs, a, u in (
+            ("gpu", observed, sa, su),
+            ("idle", 0, observed - sa, observed - su),
+        ):
+            records.append(
+                BillingRecord(
+                    window_start_ms=ws,
+                    window_end_ms=we,
+                    node=node,
+                    pod_uid="",
+                    container="",
+                    device_uuid=uuid,
+                    memory_byte_seconds=0.0,
+                    memory_limit_byte_seconds=0.0,
+                    nvml_memory_byte_seconds=0.0,
+                    sm_percent_seconds=0.0,
+                    sm_limit_percent_seconds=0.0,
+                    peak_memory_bytes=0,
+                    observed_seconds=obs / 1000,
+                    samples=0,
+                    record_id=make_record_id(ws, node, "", "", uuid, 0, kind),
+                    kind=kind,
+                    gpu_model=model,
+                    gpu_memory_bytes=memory,
+                    allocated_gpu_seconds=a / 1000,
+                    used_gpu_seconds=u / 1000,
+                    overcommitted=over,
+                )
+            )
         return records

@@ -6,6 +6,8 @@ from typing import Final
 
 import msgspec
 
+from .allocate import POLICIES, Policy
+
 __all__ = ["NEVER", "RETAIN_GAPS", "WindowSettings"]
 
 # Later (and minus it: earlier) than any event time.
@@ -21,6 +23,7 @@ class WindowSettings(msgspec.Struct, frozen=True):
     lateness_ms: int = 10_000  # allowed lateness
     max_gap_ms: int = 90_000  # default 3 x heartbeat (heartbeat default 30 s)
     max_skew_ms: int = 300_000  # an event this far ahead of its record timestamp is dropped
+    allocation_policy: Policy = "max"  # how a GPU's time is shared out (`allocate`)
 
     def __post_init__(self) -> None:
         if self.window_ms <= 0:
@@ -31,3 +34,5 @@ class WindowSettings(msgspec.Struct, frozen=True):
             raise ValueError(f"max_gap_ms must be > 0, got {self.max_gap_ms}")
         if self.max_skew_ms < 0:
             raise ValueError(f"max_skew_ms must be >= 0, got {self.max_skew_ms}")
+        if self.allocation_policy not in POLICIES:
+            raise ValueError(f"allocation_policy must be one of {POLICIES}")

@@ -71,6 +71,7 @@ class Device:
 
     __slots__ = (
         "cov",
+        "ivs",
         "limit",
         "lim",
         "mem",
@@ -78,7 +79,9 @@ class Device:
         "nkeys",
         "nvml",
         "peak",
+        "pres",
         "samples",
+        "shares",
         "sm",
         "sm_limit",
         "smlim",
@@ -103,13 +106,27 @@ class Device:
         self.peak = 0
         self.samples = 0
         self.cov = 0  # time with a live key (the observed time of a node row)
+        # allocation: present ms under the current limits, and per (sm_limit, limit) pair
+        # the present ms settled so far in the window (see `settle`)
+        self.pres = 0
+        self.shares: dict[tuple[int, int], int] = {}
+        self.ivs: list[list[int]] = []  # node rows only: the [a, b) intervals of `cov`
+
+    def settle(self) -> None:
+        """Book the present time under the current limits (before they change, and at emit)."""
+        if self.pres:
+            key = (self.sm_limit, self.limit)
+            self.shares[key] = self.shares.get(key, 0) + self.pres
+            self.pres = 0
 
     def has_window(self) -> bool:
         return bool(self.mem or self.nvml or self.smp or self.lim or self.smlim or self.samples)
 
     def reset_window(self) -> None:
         self.mem = self.nvml = self.smp = self.lim = self.smlim = self.peak = self.samples = 0
-        self.cov = 0
+        self.cov = self.pres = 0
+        self.shares = {}
+        self.ivs = []
 
 
 class Track:
@@ -128,6 +145,7 @@ class Track:
         "gone_ts",
         "ident_off",
         "inc",
+        "ivs",
         "keys",
         "last_ts",
         "limits_off",
@@ -170,5 +188,6 @@ class Track:
         self.cur = cur  # integrated up to here
         self.win: int | None = None  # start of the window being accumulated
         self.obs = 0  # presence in that window
+        self.ivs: list[list[int]] = []  # ... as [a, b) intervals (a GPU's observed time)
         # the node pseudo-container only (else None): device uuid -> its index in devs and keys
         self.uuids: dict[str, int] | None = {} if cid == NODE_CID else None

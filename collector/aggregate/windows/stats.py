@@ -17,3 +17,5 @@ class AggregateStats(msgspec.Struct):
     unobserved_ms: int = 0  # key-milliseconds beyond max_gap before the key was heard of again
     records: int = 0
     unnamed_records: int = 0  # container records without a pod identity (namespace empty)
+    overcommitted: int = 0  # GPU-windows whose shares were scaled down to the observed time
+    allocation_fallbacks: int = 0  # GPU-windows of the memory or max policy without inventory

@@ -1,0 +1,314 @@
+"""Fair shares of the physical GPU (`collector.aggregate.windows.allocate`): per GPU and window,
+the containers' allocated time plus the idle time is the GPU's observed time, to the
+millisecond, under every policy; the HAMi #3073 case by hand; overcommit; the inventory."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from collector.aggregate.records import BillingRecord
+from collector.aggregate.windows import Aggregator, WindowSettings
+from collector.aggregate.windows.allocate import POLICIES, Policy, fit, observed_ms
+from collector.events import (
+    ContainerAppeared,
+    ContainerGone,
+    ContainerState,
+    DeviceInventory,
+    DeviceLimit,
+    DeviceUsageRow,
+    Event,
+    GpuInfo,
+    Heartbeat,
+    LimitsChanged,
+    NodeDeviceSample,
+    UsageRow,
+    UsageSample,
+)
+
+GiB = 1 << 30
+HOUR = 3_600_000
+
+
+def ms(seconds: float) -> int:
+    """Record seconds are n / 1000 for an integer n."""
+    n = round(seconds * 1000)
+    assert n / 1000 == seconds
+    return n
+
+
+class Node:
+    """One collector incarnation's events, with consecutive sequence numbers."""
+
+    def __init__(self, inc: int = 1) -> None:
+        self.inc = inc
+        self.seq = 0
+
+    def _n(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+    def appeared(self, ts: int, cid: int, devices: Sequence[DeviceLimit]) -> ContainerAppeared:
+        pod = f"pod-{cid}"
+        return ContainerAppeared(
+            1, self.inc, self._n(), ts, cid, pod, "main", f"/c/{pod}", "v1.2", list(devices)
+        )
+
+    def sample(self, ts: int, cid: int, *rows: UsageRow) -> UsageSample:
+        return UsageSample(1, self.inc, self._n(), ts, cid, list(rows))
+
+    def limits(self, ts: int, cid: int, devices: Sequence[DeviceLimit]) -> LimitsChanged:
+        return LimitsChanged(1, self.inc, self._n(), ts, cid, list(devices))
+
+    def gone(self, ts: int, cid: int) -> ContainerGone:
+        return ContainerGone(1, self.inc, self._n(), ts, cid)
+
+    def heartbeat(self, ts: int, states: Sequence[ContainerState]) -> Heartbeat:
+        return Heartbeat(1, self.inc, self._n(), ts, 30_000, 0, 1, list(states))
+
+    def inventory(self, ts: int, gpus: Sequence[tuple[str, int]]) -> DeviceInventory:
+        devices = [
+            GpuInfo(i, u, "NVIDIA H100 80GB HBM3", m, False) for i, (u, m) in enumerate(gpus)
+        ]
+        return DeviceInventory(1, self.inc, self._n(), ts, devices)
+
+    def node(self, ts: int, *uuids: str) -> NodeDeviceSample:
+        rows = [DeviceUsageRow(u, GiB, 10, 0) for u in uuids]
+        return NodeDeviceSample(1, self.inc, self._n(), ts, rows)
+
+
+def run(events: Iterable[Event], policy: Policy = "max") -> tuple[list[BillingRecord], Aggregator]:
+    agg = Aggregator(WindowSettings(allocation_policy=policy))
+    out: list[BillingRecord] = []
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i)
+        out += agg.advance()
+    out += agg.flush()
+    return out, agg
+
+
+def hour_of(
+    n: Node,
+    containers: dict[int, list[DeviceLimit]],
+    sm: int = 0,
+    inventory: Callable[[int], list[tuple[str, int]]] | None = None,
+) -> list[Event]:
+    """Each container appears at 0 and is restated every 30 s for an hour, then goes; with
+    `inventory`, the GPUs it gives for each 30 s step are stated first."""
+    events: list[Event] = []
+    for t in range(0, HOUR, 30_000):
+        gpus = inventory(t) if inventory is not None else []
+        if gpus:
+            events.append(n.inventory(t, gpus))
+        rows = {cid: [UsageRow(1, 2, 0, GiB, 0, 0, GiB, 0, sm)] for cid in containers}
+        if t:
+            states = [
+                ContainerState(cid, f"pod-{cid}", "main", "v1.2", devs, rows[cid])
+                for cid, devs in containers.items()
+            ]
+            events.append(n.heartbeat(t, states))
+        else:
+            events += [n.appeared(0, cid, devs) for cid, devs in containers.items()]
+            events += [n.sample(0, cid, *rows[cid]) for cid in containers]
+    events += [n.gone(HOUR, cid) for cid in containers]
+    return events
+
+
+def totals(records: list[BillingRecord]) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """(kind, device, pod) -> (allocated ms, observed ms) over every window."""
+    out: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for r in records:
+        t = out[(r.kind, r.device_uuid, r.pod_uid)]
+        t[0] += ms(r.allocated_gpu_seconds)
+        t[1] += ms(r.observed_seconds)
+    return {k: (a, o) for k, (a, o) in out.items()}
+
+
+# --- the HAMi #3073 case -------------------------------------------------------------------
+
+
+def case_3073(inventory: Callable[[int], list[tuple[str, int]]] | None = None) -> list[Event]:
+    n = Node()
+    quarter = 8 * GiB
+    containers = {
+        **{c: [DeviceLimit(0, "GPU-A", quarter, 25)] for c in (1, 2, 3, 4)},
+        5: [DeviceLimit(0, "GPU-B", 80 * GiB, 0)],  # the whole GPU: no SM limit
+        **{c: [DeviceLimit(0, "GPU-C", quarter, 25)] for c in (6, 7)},
+    }
+    return hour_of(n, containers, inventory=inventory)
+
+
+@pytest.mark.parametrize("policy", ["cores", "max"])
+def test_hami_3073_four_quarters_make_one_gpu_hour(policy: Policy) -> None:
+    records, agg = run(case_3073(), policy)
+    t = totals(records)
+    for c in (1, 2, 3, 4):
+        assert t[("container", "GPU-A", f"pod-{c}")] == (HOUR // 4, HOUR)
+    assert t[("idle", "GPU-A", "")][0] == 0
+    assert t[("gpu", "GPU-A", "")] == (HOUR, HOUR)  # allocated = the sum, observed
+    assert t[("container", "GPU-B", "pod-5")] == (HOUR, HOUR)
+    assert t[("idle", "GPU-B", "")][0] == 0
+    for c in (6, 7):
+        assert t[("container", "GPU-C", f"pod-{c}")] == (HOUR // 4, HOUR)
+    assert t[("idle", "GPU-C", "")][0] == HOUR // 2
+    assert t[("gpu", "GPU-C", "")] == (HOUR // 2, HOUR)
+    assert not any(r.overcommitted for r in records)
+    assert agg.stats.overcommitted == 0
+    # no inventory: max falls back to cores, once per GPU and window
+    assert agg.stats.allocation_fallbacks == (60 * 3 if policy == "max" else 0)
+    assert {r.kind for r in records} == {"container", "gpu", "idle"}
+
+
+def test_memory_policy_uses_the_inventory() -> None:
+    # an 80 GiB GPU, so an 8 GiB limit is a tenth of it; GPU-B and GPU-C are stated once at 0
+    # and the statement holds for max_gap only
+    every = [("GPU-A", 80 * GiB)]
+    events = case_3073(lambda t: every if t else [*every, ("GPU-B", 80 * GiB), ("GPU-C", GiB)])
+    for policy, quarter in (("memory", HOUR // 10), ("max", HOUR // 4)):
+        records, agg = run(events, policy)  # type: ignore[arg-type]
+        t = totals(records)
+        assert t[("container", "GPU-A", "pod-1")] == (quarter, HOUR)
+        assert t[("idle", "GPU-A", "")][0] == HOUR - 4 * quarter
+        a = [r for r in records if r.device_uuid == "GPU-A"]
+        assert {(r.gpu_model, r.gpu_memory_bytes) for r in a} == {
+            ("NVIDIA H100 80GB HBM3", 80 * GiB)
+        }
+        b = [r for r in records if r.device_uuid == "GPU-B" and r.window_start_ms >= 180_000]
+        assert {(r.gpu_model, r.gpu_memory_bytes) for r in b} == {("", 0)}
+        assert agg.stats.allocation_fallbacks == 2 * 58  # GPU-B and C from the third window on
+
+
+def test_oversubscribed_gpu_is_scaled_down_and_flagged() -> None:
+    n = Node()
+    events = hour_of(n, {c: [DeviceLimit(0, "GPU-A", GiB, 40)] for c in (1, 2, 3)})  # 120 %
+    records, agg = run(events, "cores")
+    t = totals(records)
+    assert [t[("container", "GPU-A", f"pod-{c}")][0] for c in (1, 2, 3)] == [HOUR // 3] * 3
+    assert t[("idle", "GPU-A", "")][0] == 0
+    assert all(r.overcommitted for r in records if r.kind != "idle" or r.allocated_gpu_seconds == 0)
+    assert agg.stats.overcommitted == 60
+
+
+def test_usage_policy_bills_measured_sm_time() -> None:
+    n = Node()
+    events = hour_of(n, {c: [DeviceLimit(0, "GPU-A", GiB, 50)] for c in (1, 2)}, sm=20)
+    records, _ = run(events, "usage")
+    t = totals(records)
+    assert t[("container", "GPU-A", "pod-1")] == (HOUR // 5, HOUR)
+    assert t[("idle", "GPU-A", "")][0] == HOUR - 2 * HOUR // 5
+    cores, _ = run(events, "cores")
+    used = {r.pod_uid: ms(r.used_gpu_seconds) for r in cores if r.kind == "container"}
+    assert used["pod-1"] == 0 or sum(used.values())  # used is there whatever the policy
+    assert sum(ms(r.used_gpu_seconds) for r in cores if r.pod_uid == "pod-1") == HOUR // 5
+    assert sum(ms(r.allocated_gpu_seconds) for r in cores if r.pod_uid == "pod-1") == HOUR // 2
+
+
+def test_fit_and_observed() -> None:
+    assert fit([1, 2, 3], 10) == ([1, 2, 3], False)
+    assert fit([5, 5, 5], 10) == ([4, 3, 3], True)  # largest remainder, ties to the first
+    assert fit([0, 7], 5) == ([0, 5], True)
+    assert observed_ms([[0, 10], [5, 20], [30, 40], [40, 41]]) == 31
+    assert observed_ms([]) == 0
+
+
+# --- property: allocated + idle = observed, exactly ------------------------------------------
+
+UUIDS = ("GPU-0", "GPU-1")
+SM = st.sampled_from([0, 5, 25, 33, 50, 100, 150])
+LIMIT = st.sampled_from([0, GiB, 10 * GiB, 40 * GiB, 80 * GiB, 200 * GiB])
+
+
+@st.composite
+def tables(draw: st.DrawFn) -> list[DeviceLimit]:
+    uuids = draw(st.lists(st.sampled_from(UUIDS), min_size=1, max_size=2, unique=True))
+    return [DeviceLimit(i, u, draw(LIMIT), draw(SM)) for i, u in enumerate(uuids)]
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> list[Event]:
+    """Containers that appear, sample, change limits and go; heartbeats; a collector restart;
+    NVML node samples and inventories, all at random times over a few windows."""
+    nodes = [Node(1)]
+    if draw(st.booleans()):
+        nodes.append(Node(2))
+    events: list[Event] = []
+    for cid in range(draw(st.integers(1, 6))):
+        n = draw(st.sampled_from(nodes))
+        t = draw(st.integers(0, 200_000))
+        devs = draw(tables())
+        events.append(n.appeared(t, cid, devs))
+        for _ in range(draw(st.integers(0, 6))):
+            t += draw(st.integers(1, 100_000))
+            op = draw(st.sampled_from(["sample", "sample", "limits", "heartbeat"]))
+            if op == "limits":
+                devs = draw(tables())
+                events.append(n.limits(t, cid, devs))
+            else:
+                rows = [UsageRow(1, 2, d.index, draw(LIMIT), 0, 0, 0, 0, draw(SM)) for d in devs]
+                if op == "sample":
+                    events.append(n.sample(t, cid, *rows))
+                else:
+                    st_ = ContainerState(cid, f"pod-{cid}", "main", "v1.2", devs, rows)
+                    events.append(n.heartbeat(t, [st_]))
+        if draw(st.booleans()):
+            events.append(n.gone(t + draw(st.integers(1, 50_000)), cid))
+    for _ in range(draw(st.integers(0, 4))):
+        n = draw(st.sampled_from(nodes))
+        t = draw(st.integers(0, 400_000))
+        if draw(st.booleans()):
+            events.append(
+                n.node(t, *draw(st.lists(st.sampled_from(UUIDS), min_size=1, unique=True)))
+            )
+        else:
+            events.append(n.inventory(t, [(u, 80 * GiB) for u in UUIDS]))
+    # the restart: the second incarnation's events come after the first one's start
+    return sorted(events, key=lambda e: (e.ts, e.inc, e.seq))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedules())
+def test_allocated_plus_idle_is_observed_for_every_policy(events: list[Event]) -> None:
+    for policy in POLICIES:
+        records, _ = run(events, policy)
+        groups: dict[tuple[int, str], list[BillingRecord]] = defaultdict(list)
+        for r in records:
+            groups[(r.window_start_ms, r.device_uuid)].append(r)
+        for key, rs in groups.items():
+            kinds = [r.kind for r in rs]
+            assert kinds.count("gpu") == 1 and kinds.count("idle") == 1, (policy, key, kinds)
+            gpu = next(r for r in rs if r.kind == "gpu")
+            idle = next(r for r in rs if r.kind == "idle")
+            observed = ms(gpu.observed_seconds)
+            ctrs = [r for r in rs if r.kind == "container"]
+            alloc = sum(ms(r.allocated_gpu_seconds) for r in ctrs)
+            used = sum(ms(r.used_gpu_seconds) for r in ctrs)
+            assert alloc + ms(idle.allocated_gpu_seconds) == observed, (policy, key)
+            assert used + ms(idle.used_gpu_seconds) == observed, (policy, key)
+            assert ms(idle.allocated_gpu_seconds) >= 0 and ms(idle.used_gpu_seconds) >= 0
+            assert ms(gpu.allocated_gpu_seconds) == alloc
+            for r in ctrs:
+                assert r.overcommitted == gpu.overcommitted
+                if policy != "usage":  # a share is at most the whole GPU while present
+                    assert ms(r.allocated_gpu_seconds) <= ms(r.observed_seconds)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_replay_from_the_middle_gives_the_same_allocation(policy: Policy) -> None:
+    """What `replay` reads (everything from `from - max_gap - lateness - 60 s` on) gives the
+    live run's allocation records for the windows from `from` on (byte-identical CSV is
+    checked through the commands in test_replay.py)."""
+    every = [("GPU-A", 80 * GiB), ("GPU-B", 80 * GiB), ("GPU-C", 40 * GiB)]
+    events = case_3073(lambda t: every)
+    live, _ = run(events, policy)
+    s = WindowSettings()
+    for start in (600_000, 1_830_000):
+        seek = start - s.max_gap_ms - s.lateness_ms - 60_000
+        again, _ = run([e for e in events if e.ts >= seek], policy)
+        assert [r for r in again if r.window_start_ms >= start] == [
+            r for r in live if r.window_start_ms >= start
+        ]
+        assert any(r.kind == "idle" and r.allocated_gpu_seconds for r in live)
