@@ -122,6 +122,20 @@ class CacheWriter:
         self.region.proc_num = k + 1
         return k
 
+    def reuse_slot(self, pid: int) -> int:
+        """A process finds a live slot with its own pid (a restarted container's process with
+        the pid of one that was killed): HAMi-core takes that slot over, zeroes its counters
+        and keeps its host pid until its host-pid lookup replaces it (or times out)."""
+        k = self.slot_of(pid)
+        if k is None:
+            raise KeyError(f"no slot for pid {pid}")
+        slot = self.region.procs[k]
+        slot.status = 1
+        C.memset(C.addressof(slot.used), 0, C.sizeof(slot.used))
+        if self.layout.device_util is not None:
+            C.memset(C.addressof(slot.device_util), 0, C.sizeof(slot.device_util))
+        return k
+
     def set_hostpid(self, pid: int, hostpid: int) -> None:
         self._slot(pid).hostpid = hostpid
 

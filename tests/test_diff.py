@@ -434,17 +434,43 @@ def test_usage_samples_only_on_change_with_absolute_values(
 def test_device_dropping_out_of_a_slot_is_stated_as_zero(
     root: Path, writers: list[CacheWriter]
 ) -> None:
-    # A device beyond device_num is listed only while it has counters.
-    w = make(writers, root, V12, devices=DEVICES[:1])
+    w = make(writers, root, V12, devices=DEVICES[:2])
     w.add_process(1, 501)
-    w.add_memory(1, 3, "data", GiB)
+    w.add_memory(1, 1, "data", GiB)
     h = Harness(root)
-    assert h.scan()[-1] == ev(UsageSample, cid=0, rows=[row(1, 501, 0), row(1, 501, 3, data=GiB)])
-    w.add_memory(1, 3, "data", -GiB)
-    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 501, 3)])]
+    assert h.scan()[-1] == ev(UsageSample, cid=0, rows=[row(1, 501, 0), row(1, 501, 1, data=GiB)])
+    w.add_memory(1, 1, "data", -GiB)  # counters back to zero: still listed below device_num
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 501, 1)])]
+    w._set_device_num(1)  # the device leaves the table: its row is stated as zero
+    assert h.scan() == [
+        ev(LimitsChanged, cid=0, devices=LIMITS[:1]),
+        ev(UsageSample, cid=0, rows=[row(1, 501, 0), row(1, 501, 1)]),  # a new table: restated
+    ]
+    (hb,) = [e for e in h.scan_all(3600_000) if isinstance(e, Heartbeat)]
+    assert hb.containers[0].rows == [row(1, 501, 0)]
+
+
+def test_rows_of_a_device_not_yet_registered_go_out_once_it_is(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    """HAMi-core fills the device table lazily: usage on device 1 while device_num is 1 has no
+    UUID to be billed under. It is not sent (nor restated), and goes out, unchanged since, in
+    the scan that sees the device registered."""
+    w = make(writers, root, V12, devices=DEVICES[:2])
+    w._set_device_num(1)
+    w.add_process(1, 501)
+    w.add_memory(1, 1, "data", GiB)
+    h = Harness(root)
+    assert h.scan()[-1] == ev(UsageSample, cid=0, rows=[row(1, 501, 0)])
     assert h.scan() == []
     (hb,) = [e for e in h.scan_all(3600_000) if isinstance(e, Heartbeat)]
     assert hb.containers[0].rows == [row(1, 501, 0)]
+    w._set_device_num(2)
+    assert h.scan() == [
+        ev(LimitsChanged, cid=0, devices=LIMITS[:2]),
+        ev(UsageSample, cid=0, rows=[row(1, 501, 0), row(1, 501, 1, data=GiB)]),
+    ]
+    assert h.scan() == []
 
 
 def test_limits_changed(root: Path, writers: list[CacheWriter]) -> None:
@@ -717,12 +743,16 @@ def test_a_torn_slot_is_not_an_exit(root: Path, writers: list[CacheWriter]) -> N
     heartbeat = h.events[-1]
     assert isinstance(heartbeat, Heartbeat)
     assert heartbeat.containers[0].rows == [row(10, 1010, 0, data=GiB), row(10, 1010, 1)]
-    # The bracket closes: the process is read again, unchanged, with no start event.
+    # The bracket closes: the process is read again, with no start event, and every row is
+    # restated (what changed while the slot was torn was not seen).
     w.region.procs[0].seqlock += 1
+    assert h.scan() == [
+        ev(UsageSample, cid=0, rows=[row(10, 1010, 0, data=GiB), row(10, 1010, 1)]),
+    ]
     assert h.scan() == []
 
 
-def test_a_file_that_turns_unreadable_keeps_its_processes_but_is_not_restated(
+def test_a_file_that_turns_unreadable_keeps_its_processes_and_is_restated_after(
     root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = make(writers, root, V12)
@@ -742,8 +772,8 @@ def test_a_file_that_turns_unreadable_keeps_its_processes_but_is_not_restated(
     assert heartbeat.containers == []  # values lapse after max_gap instead of being restated
     monkeypatch.setattr(h.scanner.discovery, "open", real)
     w.add_memory(10, 0, "data", GiB)
-    assert h.scan() == [
-        ev(UsageSample, cid=0, rows=[row(10, 1010, 0, data=2 * GiB)]),
+    assert h.scan() == [  # every row, not only the changed one: the values had lapsed
+        ev(UsageSample, cid=0, rows=[row(10, 1010, 0, data=2 * GiB), row(10, 1010, 1)]),
     ]
     heartbeat = h.events[-1]
     assert isinstance(heartbeat, Heartbeat)

@@ -5,6 +5,7 @@ with values the test computes itself (never by calling the reader).
 
 from __future__ import annotations
 
+import ctypes as C
 import hashlib
 import json
 import mmap
@@ -498,33 +499,42 @@ def test_over_limit_sum_beyond_u64(tmp_path: Path) -> None:
     msgspec.json.encode(snap)
 
 
-@pytest.mark.parametrize(("proc_num", "slots"), [(5000, 1024), (-3, 0), (1025, 1024)])
-def test_proc_num_out_of_range(tmp_path: Path, proc_num: int, slots: int) -> None:
+@pytest.mark.parametrize("proc_num", [5000, -3, -1, 1025])
+def test_proc_num_out_of_range(tmp_path: Path, proc_num: int) -> None:
+    """A garbled count reads the slots up to the first empty one and nothing beyond."""
     path = tmp_path / "c.cache"
     w = CacheWriter(path, V12, DEVICES)
     w.add_process(1, 11)
+    w.add_process(2, 12)
     w.add_memory(1, 0, "data", 5)
     w.region.proc_num = proc_num
     w.close()
     doc = inspect_json(path)
     assert doc["layout"] == "v1.2"
     assert doc["proc_num"] == proc_num
-    assert len(doc["procs"]) == slots
-    assert [q["slot"] for q in doc["procs"]] == list(range(slots))
-    if slots:
-        assert doc["procs"][0]["pid"] == 1 and doc["procs"][0]["devices"][0]["total"] == 5
-        assert doc["procs"][1023] == {
-            "slot": 1023,
-            "pid": 0,
-            "hostpid": 0,
-            "status": 0,
-            "devices": [
-                {"index": d, "context": 0, "module": 0, "data": 0, "total": 0, "monitor": 0,
-                 "sm_util": 0}
-                for d in range(3)
-            ],
-        }  # fmt: skip
+    assert [(q["slot"], q["pid"], q["hostpid"]) for q in doc["procs"]] == [(0, 1, 11), (1, 2, 12)]
+    assert doc["procs"][0]["devices"][0]["total"] == 5
     assert kinds(doc) == [("proc_num_out_of_range", None, None, proc_num)]
+
+
+def test_proc_num_beyond_the_real_contents(tmp_path: Path) -> None:
+    """proc_num in range but past an empty slot (3 real slots, count 700): the slots up to the
+    empty one are read; a stale copy further on is not."""
+    path = tmp_path / "c.cache"
+    w = CacheWriter(path, V12, DEVICES)
+    for pid in (1, 2, 3):
+        w.add_process(pid, 10 + pid)
+    w.add_process(9, 19)
+    w.add_memory(9, 0, "data", 7)
+    w.region.proc_num = 3  # slot 3 keeps a stale copy of pid 9, as after a compaction
+    # ... and one beyond an empty slot 4
+    C.memmove(C.addressof(w.region.procs[5]), C.addressof(w.region.procs[3]), V12.slot_size)
+    C.memset(C.addressof(w.region.procs[3]), 0, V12.slot_size)
+    w.region.proc_num = 700
+    w.close()
+    doc = inspect_json(path)
+    assert [q["pid"] for q in doc["procs"]] == [1, 2, 3]
+    assert kinds(doc) == [("proc_num_out_of_range", 3, None, 700)]
 
 
 def test_device_num_out_of_range(tmp_path: Path) -> None:

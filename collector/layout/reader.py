@@ -23,6 +23,7 @@ U64_MASK = (1 << 64) - 1
 _LOW_BIT = bytes(b & 1 for b in range(256))  # bytes.translate table: each byte -> its low bit
 WRAP = 1 << 63  # a u64 counter this large went below zero (HAMi issue #1181)
 DEFAULT_RETRIES = 64
+_EMPTY_IDS = bytes(8)  # pid and hostpid of an empty slot
 
 
 @dataclass(frozen=True)
@@ -171,11 +172,12 @@ def _uuid_fault(raw: bytes) -> str:
 
 
 def _read_slots(
-    f: _File, layout: Layout, count: int, retries: int, anomalies: list[Anomaly]
+    f: _File, layout: Layout, count: int, retries: int, anomalies: list[Anomaly], first: int = 0
 ) -> list[tuple[int, bytes]]:
-    """Slot bytes for slots [0, count) that lie wholly inside the file, each consistent."""
+    """Slot bytes for slots [first, first + count) that lie wholly inside the file, each
+    consistent."""
     size = layout.slot_size
-    start = layout.procs
+    start = layout.slot_offset(first)
     seq = layout.slot_seqlock
     # seqlock: seq (read r0) -> slot (read r1) -> seq (read r2); each a separate read, so
     # they are ordered. Without a seqlock two reads of the slot must agree.
@@ -193,7 +195,7 @@ def _read_slots(
     else:
         clean = before[:n] == after[:n] and 1 not in before[seq:n:size].translate(_LOW_BIT)
     if clean:
-        return [(k, data[k * size : k * size + size]) for k in range(whole)]
+        return [(first + k, data[k * size : k * size + size]) for k in range(whole)]
     slots: list[tuple[int, bytes]] = []
     for k in range(whole):
         lo = k * size
@@ -202,14 +204,14 @@ def _read_slots(
             ok = s0 == after[lo + seq : lo + seq + 8] and not s0[0] & 1
         else:
             ok = data[lo : lo + size] == after[lo : lo + size]
-        slot = data[lo : lo + size] if ok else _retry_slot(f, layout, k, retries)
+        slot = data[lo : lo + size] if ok else _retry_slot(f, layout, first + k, retries)
         if slot is None:
-            detail = f"slot {k} still changing after {retries} retries"
-            anomalies.append(Anomaly("torn_read", detail, slot=k))
+            detail = f"slot {first + k} still changing after {retries} retries"
+            anomalies.append(Anomaly("torn_read", detail, slot=first + k))
             continue
         if len(slot) < size:
             break  # the file shrank while we retried
-        slots.append((k, slot))
+        slots.append((first + k, slot))
     return slots
 
 
@@ -295,11 +297,34 @@ def _parse_proc(
 def _scan_contiguous(
     f: _File, layout: Layout, size: int, retries: int, anomalies: list[Anomaly]
 ) -> list[tuple[int, bytes]]:
-    """proc_num lies past the end of a truncated file: take slots up to the first empty one."""
+    """proc_num is unknown (past the end of a truncated file) or garbled: take slots up to the
+    first empty one, read a few at a time so nothing beyond the real contents is read."""
     inside = max(0, min(MAX_PROCS, (size - layout.procs) // layout.slot_size))
-    slots = _read_slots(f, layout, inside, retries, anomalies)
-    for n, (_, raw) in enumerate(slots):
-        if raw.count(0) == len(raw):
+    slots: list[tuple[int, bytes]] = []
+    pos, chunk = 0, 8
+    while pos < inside:
+        n = min(chunk, inside - pos)
+        got = _read_slots(f, layout, n, retries, anomalies, pos)
+        if not got:
+            return slots  # the file shrank
+        for k, raw in got:
+            if raw.count(0) == len(raw):
+                return slots
+            slots.append((k, raw))
+        pos, chunk = pos + n, chunk * 2
+    return slots
+
+
+def _within_contents(
+    slots: list[tuple[int, bytes]], proc_num: int, anomalies: list[Anomaly]
+) -> list[tuple[int, bytes]]:
+    """Slots up to the first empty one. HAMi-core fills a slot before it counts it and compacts
+    live slots to the front, so an all-zero slot below `proc_num` means the count is garbled:
+    what lies beyond is not the file's real contents (at most stale copies)."""
+    for n, (k, raw) in enumerate(slots):
+        if raw.startswith(_EMPTY_IDS) and raw.count(0) == len(raw):  # pid, hostpid 0: cheap
+            detail = f"proc_num {proc_num} but slot {k} is empty"
+            anomalies.append(Anomaly("proc_num_out_of_range", detail, slot=k, value=proc_num))
             return slots[:n]
     return slots
 
@@ -365,11 +390,13 @@ def snapshot_fd(fd: int, path: str, *, retries: int = DEFAULT_RETRIES) -> Snapsh
             (last_kernel_time,) = codec.seqlock.unpack_from(
                 tail, layout.last_kernel_time - layout.proc_num
             )
-        if not 0 <= proc_num <= MAX_PROCS:
+        if 0 <= proc_num <= MAX_PROCS:
+            slots = _read_slots(f, layout, proc_num, retries, anomalies)
+            slots = _within_contents(slots, proc_num, anomalies)
+        else:
             detail = f"proc_num {proc_num} is outside 0..{MAX_PROCS}"
             anomalies.append(Anomaly("proc_num_out_of_range", detail, value=proc_num))
-        count = min(max(proc_num, 0), MAX_PROCS)
-        slots = _read_slots(f, layout, count, retries, anomalies)
+            slots = _scan_contiguous(f, layout, size, retries, anomalies)
     else:
         slots = _scan_contiguous(f, layout, size, retries, anomalies)
 

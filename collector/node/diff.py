@@ -58,6 +58,14 @@ class FileState:
     # The last snapshot was unusable (unreadable, garbage): nothing is restated for it, so the
     # aggregator lets its values lapse after max_gap instead of billing stale ones forever.
     unobserved: bool = False
+    # The file was not fully observed since the last good scan (unusable, a torn slot, a garbled
+    # proc_num): the next good scan restates every row, not only the changed ones, so values
+    # that lapsed in the aggregator or changed unseen are billed again from then on.
+    restate: bool = False
+    # --host-proc: usage counters of slots whose host pid is gone, as last seen, and the slots
+    # whose counters moved since (a live process the slot's host pid has not caught up with).
+    dead_rows: dict[ProcKey, list[UsageRow]] = field(default_factory=dict)
+    vouched: set[ProcKey] = field(default_factory=set)
     last_kernel_time: int | None = None
 
     def state(self) -> ContainerState:
@@ -98,21 +106,74 @@ def host_pid_alive(host_proc: str, hostpid: int) -> bool:
     return os.path.exists(os.path.join(host_proc, str(hostpid)))
 
 
+def _counters(rows: list[UsageRow]) -> list[tuple[int, int, int, int, int]]:
+    # What the process itself writes; monitorused and sm_util are the watcher's, which zeroes
+    # them for every slot it cannot match to a process.
+    return [(r.device, r.context, r.module, r.data, r.total) for r in rows]
+
+
+def drop_dead_hosts(
+    st: FileState,
+    procs: dict[ProcKey, list[UsageRow]],
+    host_proc: str,
+    anomalies: list[Anomaly],
+) -> None:
+    """Remove from `procs` the slots whose process is dead by both accounts: its host pid is
+    gone and its counters have not moved since the host pid was first seen gone. A restarted
+    container's first process can reuse a slot (same container pid) before HAMi-core has
+    replaced the slot's host pid, or never if the host-pid lookup times out: its counters move."""
+    dead_rows: dict[ProcKey, list[UsageRow]] = {}
+    vouched: set[ProcKey] = set()
+    for key, rows in list(procs.items()):
+        pid, hostpid = key
+        if hostpid <= 0 or host_pid_alive(host_proc, hostpid):
+            continue
+        counters = _counters(rows)
+        before = st.dead_rows.get(key)
+        dead_rows[key] = rows
+        if key in st.vouched or (before is not None and _counters(before) != counters):
+            vouched.add(key)
+            continue
+        # SIGKILLed: the slot stays until a later process compacts; it uses nothing.
+        del procs[key]
+        detail = f"pid {pid} (host pid {hostpid}) has a slot but no process"
+        anomalies.append(Anomaly("stale_process", detail, value=hostpid))
+    st.dead_rows, st.vouched = dead_rows, vouched
+
+
+def end_all(st: FileState, stamp: Stamp, events: list[Event]) -> None:
+    """Every process of the file has ended (the file went back to uninitialised: the container
+    restarted and re-initialises it in place)."""
+    for pk in sorted(st.procs):
+        events.append(stamp(ProcessExited, cid=st.cid, pid=pk[0], hostpid=pk[1]))
+    st.procs.clear()
+    st.rows.clear()
+    st.dead_rows.clear()
+    st.vouched.clear()
+
+
 def diff(
     st: FileState, snap: Snapshot, stamp: Stamp, *, host_proc: str | None = None
 ) -> list[Event]:
     """Events that take the world from `st` to `snap`; updates `st` in place."""
     events: list[Event] = []
     if st.appeared and snap.layout is None and st.layout:
-        # A file we could read before is unreadable or garbage now: say so, but a transient
-        # open error or a scribble must not look like every process exiting.
-        st.unobserved = True
         _report_anomalies(st, list(snap.anomalies), stamp, events)
+        if any(a.kind == "not_initialized" for a in snap.anomalies):
+            # Back to uninitialised (emptied or zeroed): what the file held has ended. Its
+            # device table stays until the new run writes one.
+            st.unobserved = False
+            end_all(st, stamp, events)
+            return events
+        # Unreadable or garbage now: say so, but a transient open error or a scribble must not
+        # look like every process exiting.
+        st.unobserved = st.restate = True
         return events
     st.unobserved = False
     st.last_kernel_time = snap.last_kernel_time
     devices = [DeviceLimit(d.index, d.uuid, d.limit_bytes, d.sm_limit) for d in snap.devices]
     layout = snap.layout or ""
+    restate = st.restate
     if not st.appeared:
         st.appeared = True
         st.layout, st.devices = layout, devices
@@ -130,22 +191,24 @@ def diff(
     elif devices != st.devices or layout != st.layout:
         st.layout, st.devices = layout, devices
         events.append(stamp(LimitsChanged, cid=st.cid, devices=devices))
+        restate = True
 
     anomalies = list(snap.anomalies)
     procs = live_procs(snap)
     if host_proc is not None:
-        for pid, hostpid in list(procs):
-            if hostpid > 0 and not host_pid_alive(host_proc, hostpid):
-                # SIGKILLed: the slot stays until a later process compacts; it uses nothing.
-                del procs[(pid, hostpid)]
-                detail = f"pid {pid} (host pid {hostpid}) has a slot but no process"
-                anomalies.append(Anomaly("stale_process", detail, value=hostpid))
+        drop_dead_hosts(st, procs, host_proc, anomalies)
 
     _report_anomalies(st, anomalies, stamp, events)
 
-    # A slot left out as torn_read is still there: its process has not exited.
+    # A slot left out as torn_read is still there: its process has not exited. A garbled
+    # proc_num shows the slots up to the first empty one, and maybe stale ones beyond the real
+    # end: no process starts or exits on its word.
     torn = any(a.kind == "torn_read" for a in snap.anomalies)
-    gone = set() if torn else st.procs - procs.keys()
+    garbled = any(a.kind == "proc_num_out_of_range" for a in snap.anomalies)
+    if garbled:
+        procs = {pk: rows for pk, rows in procs.items() if pk in st.procs}
+    partial = torn or garbled
+    gone = set() if partial else st.procs - procs.keys()
     for pk in sorted(gone):
         events.append(stamp(ProcessExited, cid=st.cid, pid=pk[0], hostpid=pk[1]))
         for rk in [rk for rk in st.rows if rk[:2] == pk]:
@@ -153,23 +216,40 @@ def diff(
     for pk in sorted(procs.keys() - st.procs):
         events.append(stamp(ProcessStarted, cid=st.cid, pid=pk[0], hostpid=pk[1]))
     st.procs = (st.procs - gone) | procs.keys()
+    _sample(st, procs, restate and not partial, partial, stamp, events)
+    st.restate = partial
+    return events
 
+
+def _sample(
+    st: FileState,
+    procs: dict[ProcKey, list[UsageRow]],
+    restate: bool,
+    partial: bool,
+    stamp: Stamp,
+    events: list[Event],
+) -> None:
+    """The rows that changed (all of them when `restate`), as one absolute sample. Rows of a
+    device the file's table does not list yet (HAMi-core registers devices lazily) are not
+    sent: there is no UUID to bill them under. They go out once the device is registered."""
+    known = {d.index for d in st.devices}
     changed: list[UsageRow] = []
     seen: set[RowKey] = set()
     for rows in procs.values():
         for row in rows:
+            if row.device not in known:
+                continue
             rk = (row.pid, row.hostpid, row.device)
             seen.add(rk)
-            if st.rows.get(rk) != row:
+            if restate or st.rows.get(rk) != row:
                 st.rows[rk] = row
                 changed.append(row)
-    for rk in sorted(k for k in st.rows.keys() - seen if k[:2] not in st.procs or not torn):
+    for rk in sorted(k for k in st.rows.keys() - seen if k[:2] not in st.procs or not partial):
         # The device dropped out of the slot (counters back to zero): state that absolutely.
         del st.rows[rk]
         changed.append(UsageRow(rk[0], rk[1], rk[2], 0, 0, 0, 0, 0, 0))
     if changed:
         events.append(stamp(UsageSample, cid=st.cid, rows=changed))
-    return events
 
 
 def _report_anomalies(

@@ -16,6 +16,7 @@ from typing import Any
 from ..events import SCHEMA_VERSION, ContainerGone, ContainerState, Event, Heartbeat, LayoutAnomaly
 from ..layout.reader import snapshot_fd
 from ..layout.snapshot import Anomaly, Snapshot, empty_snapshot
+from .clock import Clock, EventClock, Step
 from .crosscheck import CrossCheck
 from .diff import FileState, diff
 from .discover import CacheFile, Discovery, ListingLimits, Skipped
@@ -31,6 +32,8 @@ class ScanStats:
     last_scan_ms: float = 0.0
     anomalies: int = 0
     events: int = 0
+    clock_steps: int = 0  # steps of the wall clock absorbed (see clock.py)
+    clock_offset_ms: int = 0  # wall clock - event time, as of the last step
 
 
 class Scanner:
@@ -44,6 +47,7 @@ class Scanner:
         crosscheck: CrossCheck | None = None,
         listing: ListingLimits | None = None,
         identity: IdentityStage | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.discovery = Discovery(root, listing)
         self.heartbeat_ms = int(heartbeat_s * 1000)
@@ -51,6 +55,7 @@ class Scanner:
         self.crosscheck = crosscheck
         self.identity = identity
         self.inc = secrets.randbits(31) if inc is None else inc
+        self.clock = EventClock(clock)
         self.seq = 0
         self.stats = ScanStats()
         self.published: list[tuple[ContainerState, int | None]] = []
@@ -78,8 +83,13 @@ class Scanner:
         log_blocked: int = 0,
     ) -> list[Event]:
         started = time.perf_counter()
-        self._ts = int(time.time() * 1000) if now_ms is None else now_ms
         events: list[Event] = []
+        if now_ms is None:
+            self._ts, step = self.clock.now()
+            if step is not None:
+                events.append(self._clock_step(step))
+        else:
+            self._ts = now_ms
         found, skipped = self.discovery.scan()
         skipped_now: set[tuple[str, str, str]] = set()
         self._report_skipped(skipped, skipped_now, events)
@@ -156,6 +166,24 @@ class Scanner:
             return snapshot_fd(fd, f.path)
         finally:
             os.close(fd)
+
+    def _clock_step(self, step: Step) -> Event:
+        self.stats.clock_steps += 1
+        self.stats.clock_offset_ms = step.offset_ms
+        way = "forward" if step.ms > 0 else "back"
+        detail = (
+            f"wall clock stepped {way} by {abs(step.ms)} ms; event time keeps the monotonic "
+            f"clock and is now {step.offset_ms} ms from the wall clock"
+        )
+        event: Event = self._stamp(
+            LayoutAnomaly,
+            cid=-1,
+            path=str(self.discovery.root),
+            anomaly="clock_step",
+            detail=detail,
+            value=step.ms,
+        )
+        return event
 
     def _heartbeat(
         self, scan_ms: float, spool_depth: int, dropped: int, log_blocked: int
