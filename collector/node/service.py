@@ -179,6 +179,8 @@ class Collector:
             log_blocked_episodes=self.log.stats.blocked_episodes,
             log_write_errors=self.log.stats.write_errors,
             kube=self._kube_health(),
+            clock_steps=st.clock_steps,
+            clock_offset_ms=st.clock_offset_ms,
         )
 
     def _kube_health(self) -> KubeHealth | None:

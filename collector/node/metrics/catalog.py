@@ -196,6 +196,16 @@ OWN: tuple[Metric, ...] = (
         _get("owner_errors"),
     ),
     Metric(
+        "hami_usage_clock_steps_total", "counter", "steps", "health", (),
+        "steps of the wall clock seen and absorbed (event time keeps the monotonic clock)",
+        _get("clock_steps"),
+    ),
+    Metric(
+        "hami_usage_clock_offset_seconds", "gauge", "seconds", "health", (),
+        "wall clock minus event time since the last step (0 until one)",
+        _get("clock_offset_ms", 0.001),
+    ),
+    Metric(
         "hami_usage_build_info", "gauge", "", "build", ("version",),
         "hami-usage version, as a label; the value is 1", _one,
     ),

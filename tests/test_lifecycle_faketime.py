@@ -1,0 +1,131 @@
+"""End to end: a real `hami-usage collect` whose wall clock steps back 300 s mid-run.
+
+The collector runs under Debian's libfaketime (installed by scripts/install-debs.sh), which
+re-reads a timestamp file on every clock call: the test writes "-300s" there while the collector
+runs, the way NTP steps a clock. The monotonic clock is left alone, as the kernel does.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lifecycle import SETTINGS
+from streams import msg, reference
+
+from collector.events import (
+    ContainerAppeared,
+    ContainerGone,
+    Event,
+    Heartbeat,
+    LayoutAnomaly,
+    ProcessExited,
+    decode,
+)
+from collector.layout.declarations import V12
+from collector.simulate import CacheWriter, GiB, SimDevice
+from collector.transport.locallog import LogReader
+
+HAMI_USAGE = Path(sys.executable).parent / "hami-usage"
+POD = "00000000-0000-4000-8000-0000000000fa"
+
+
+def libfaketime() -> str:
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
+    assert found, "libfaketime is missing: run scripts/install-debs.sh (scripts/test.sh does)"
+    return found[0]
+
+
+def events_of(log: Path) -> list[Event]:
+    reader = LogReader(log)
+    out: list[Event] = []
+    while batch := reader.read(len(out), 5000):
+        out += [decode(r.value) for r in batch]
+    return out
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
+    root, log, stamp = tmp_path / "containers", tmp_path / "log", tmp_path / "faketime"
+    folder = root / f"{POD}_main"
+    folder.mkdir(parents=True)
+    w = CacheWriter(folder / "0.cache", V12, [SimDevice("GPU-0000000f-1111-4000-8000-0", 8 * GiB)])
+    w.add_process(1, 4001)
+    w.add_memory(1, 0, "data", 2 * GiB)
+    stamp.write_text("+0\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_USAGE_")}
+    env |= {
+        "LD_PRELOAD": libfaketime(),
+        "FAKETIME_TIMESTAMP_FILE": str(stamp),
+        "FAKETIME_NO_CACHE": "1",  # read the file on every call: the step takes effect at once
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+    cmd = [
+        str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(log), "--node", "n1",
+        "--interval", "0.2", "--heartbeat", "1", "--no-nvml",
+    ]  # fmt: skip
+    err = tmp_path / "collect.err"
+    with err.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
+    try:
+
+        def heartbeats() -> int:
+            if not log.exists():
+                return 0
+            return sum(isinstance(e, Heartbeat) for e in events_of(log))
+
+        wait_until(lambda: heartbeats() >= 2, 60, "two heartbeats")
+        stamp.write_text("-300s\n")  # NTP steps the clock back
+        stepped = time.monotonic()
+        before = heartbeats()
+        wait_until(lambda: heartbeats() >= before + 2, 30, "heartbeats after the step")
+        w.exit(1)  # an exit after the step
+        time.sleep(1.0)
+        w.close()
+        shutil.rmtree(folder)
+        wait_until(
+            lambda: any(isinstance(e, ContainerGone) for e in events_of(log)), 30, "the gone event"
+        )
+        after_s = time.monotonic() - stepped
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    events = events_of(log)
+    ts = [e.ts for e in events]
+    assert ts == sorted(ts), "event time went backwards"
+    steps = [e for e in events if isinstance(e, LayoutAnomaly) and e.anomaly == "clock_step"]
+    assert len(steps) == 1, steps
+    assert steps[0].value is not None and -301_000 <= steps[0].value <= -299_000
+    # Heartbeats went on, a second apart on the monotonic clock, through the step.
+    beats = [e.ts for e in events if isinstance(e, Heartbeat)]
+    after = [t for t in beats if t >= steps[0].ts]
+    assert len(after) >= 2
+    assert all(500 <= b - a <= 2500 for a, b in zip(beats, beats[1:], strict=False)), beats
+
+    # Billed: 2 GiB from the first sample to the exit, which event time puts after the step
+    # by about the real time between them (never 300 s before it).
+    appeared = next(e for e in events if isinstance(e, ContainerAppeared))
+    (exited,) = [e for e in events if isinstance(e, ProcessExited)]
+    assert steps[0].ts < exited.ts <= steps[0].ts + after_s * 1000
+    records = reference([msg("n1", e) for e in events], SETTINGS)
+    billed_byte_ms = sum(round(r.memory_byte_seconds * 1000) for r in records if r.pod_uid == POD)
+    assert billed_byte_ms == 2 * GiB * (exited.ts - appeared.ts)
