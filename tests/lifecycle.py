@@ -114,13 +114,14 @@ class Lab:
         self.events: list[Event] = []
         self.s = 0
 
-    def _scanner(self) -> Scanner:
+    def _scanner(self, after_ms: int | None = None) -> Scanner:
         return Scanner(
             self.root,
             heartbeat_s=HEARTBEAT_S,
             inc=self.inc,
             clock=self.clock,
             host_proc=None if self.proc is None else str(self.proc),
+            after_ms=after_ms,
         )
 
     # --- what containers do ----------------------------------------------------------------
@@ -171,8 +172,9 @@ class Lab:
         del self.ctrs[c.name]
 
     def restart_collector(self) -> None:
+        """A new incarnation, which finds the last event time in its local log."""
         self.inc += 1
-        self.scanner = self._scanner()
+        self.scanner = self._scanner(self.events[-1].ts)
 
     # --- time ------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from lifecycle import (
 from streams import hami, msg, read_csv, reference, write_local_log
 
 from collector.aggregate.records import CSV_FIELDS, iso_utc
-from collector.events import LayoutAnomaly, ProcessExited, ProcessStarted
+from collector.events import ContainerAppeared, LayoutAnomaly, ProcessExited, ProcessStarted
 from collector.simulate import GiB, MiB
 
 Script = Callable[[Lab, int], None]
@@ -105,6 +105,14 @@ def clock_back(step_s: float) -> Script:
             lab.set_data(c, 1, 0, 6 * GiB)
 
     return script
+
+
+def clock_back_then_restart(lab: Lab, s: int) -> None:
+    """The wall clock steps back 60 s at 50; the collector restarts at 100 (its new wall clock
+    is 60 s behind the last event it wrote)."""
+    clock_back(-60)(lab, s)
+    if s == 100:
+        lab.restart_collector()
 
 
 def late_device(lab: Lab, s: int) -> None:
@@ -331,6 +339,33 @@ def test_clock_steps_are_reported_once_each_and_event_time_never_goes_back(
         assert ts == sorted(ts)
         beats = sorted({e.ts for e in lab.events if type(e).__name__ == "Heartbeat"})
         assert beats == [T0_MS + k * 30_000 for k in range(SECONDS // 30 + 1)]
+
+
+def test_a_restart_after_a_backward_step_goes_on_after_the_last_event(tmp_path: Path) -> None:
+    """The restarted collector's wall clock is 60 s behind the last event it wrote: the new
+    incarnation starts just after that event instead, so the two never bill the same time.
+    What it cannot know is how long it was away: the time from the last event (the heartbeat at
+    90) to the restart (100) is not billed, at the values then in effect (constant since 52)."""
+    lab = Lab(tmp_path, "clock_back_then_restart")
+    lab.run(SECONDS, clock_back_then_restart)
+    old = [e for e in lab.events if e.inc == 1000]
+    new = [e for e in lab.events if e.inc == 1001]
+    assert old[-1].ts == T0_MS + 90_000 and new[0].ts == T0_MS + 90_001
+    assert lab.scanner.clock.offset_ms == -50_001  # the wall clock behind event time
+    records = reference([msg(lab.name, e) for e in lab.events], SETTINGS)
+    got, truth = billed(records, lab.name), nonzero(lab.truth)
+    assert got.keys() == truth.keys()
+    last_window = max(k[3] for k in truth)
+    c = lab.events[0]
+    assert isinstance(c, ContainerAppeared)
+    held = {d.uuid: 0 for d in c.devices}
+    for k, v in truth.items():  # what each device holds at the end: 1/60 of the last window
+        if k[3] == last_window:
+            held[k[2]] = v // 60
+    lost = 100_000 - 90_001
+    for k, v in truth.items():
+        want = v - held[k[2]] * lost // 1000 if k[3] == last_window else v
+        assert got[k] == want, k
 
 
 def test_a_file_back_to_uninitialised_ends_its_processes_at_that_scan(tmp_path: Path) -> None:

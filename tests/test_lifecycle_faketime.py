@@ -1,4 +1,5 @@
-"""End to end: a real `hami-usage collect` whose wall clock steps back 300 s mid-run.
+"""End to end: a real `hami-usage collect` whose wall clock steps back 300 s mid-run, then
+restarts with the clock still back.
 
 The collector runs under Debian's libfaketime (installed by scripts/install-debs.sh), which
 re-reads a timestamp file on every clock call: the test writes "-300s" there while the collector
@@ -109,7 +110,18 @@ def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
 
+    # Restarted with the clock still 300 s back: it goes on after the last event it wrote.
+    again = subprocess.run(
+        [*cmd, "--max-scans", "3"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert again.returncode == 0, again.stderr
+    assert "ms behind the last event in" in again.stderr, again.stderr
+
     events = events_of(log)
+    second = [e for e in events if e.inc != events[0].inc]
+    assert second and all(e.inc == second[0].inc for e in second)
+    events = events[: len(events) - len(second)]
+    assert second[0].ts > events[-1].ts
     ts = [e.ts for e in events]
     assert ts == sorted(ts), "event time went backwards"
     steps = [e for e in events if isinstance(e, LayoutAnomaly) and e.anomaly == "clock_step"]

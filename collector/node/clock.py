@@ -5,7 +5,8 @@ event time must never go backwards and its durations must be real ones. The wall
 neither (NTP steps it, an operator sets it), the monotonic clock gives both. A step of the wall
 clock is detected (wall - event time moves by more than `STEP_TOLERANCE_MS`), reported, and
 absorbed: event time keeps running on the monotonic clock. A restart anchors the new
-incarnation on the wall clock of that moment.
+incarnation on the wall clock of that moment, or just after the previous incarnation's last event
+if that is later.
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ class Step:
 
 
 class EventClock:
-    def __init__(self, clock: Clock | None = None) -> None:
+    def __init__(self, clock: Clock | None = None, *, after_ms: int | None = None) -> None:
+        """`after_ms`: the last event time of the previous incarnation, where known; the new
+        one starts after it even if the wall clock is behind (a step back absorbed before the
+        restart), so two incarnations never cover the same stretch of time."""
         self.clock: Clock = clock or SystemClock()
-        self._wall0_ms = self.clock.wall_ns() // 1_000_000
+        wall_ms = self.clock.wall_ns() // 1_000_000
         self._mono0_ns = self.clock.mono_ns()
-        self.offset_ms = 0  # wall - event time as of the last step (0 until one)
+        self._wall0_ms = wall_ms if after_ms is None else max(wall_ms, after_ms + 1)
+        self.offset_ms = wall_ms - self._wall0_ms  # wall - event time as of the last step
         self.steps = 0
 
     def now(self) -> tuple[int, Step | None]:

@@ -48,6 +48,7 @@ class Scanner:
         listing: ListingLimits | None = None,
         identity: IdentityStage | None = None,
         clock: Clock | None = None,
+        after_ms: int | None = None,
     ) -> None:
         self.discovery = Discovery(root, listing)
         self.heartbeat_ms = int(heartbeat_s * 1000)
@@ -55,9 +56,9 @@ class Scanner:
         self.crosscheck = crosscheck
         self.identity = identity
         self.inc = secrets.randbits(31) if inc is None else inc
-        self.clock = EventClock(clock)
+        self.clock = EventClock(clock, after_ms=after_ms)
         self.seq = 0
-        self.stats = ScanStats()
+        self.stats = ScanStats(clock_offset_ms=self.clock.offset_ms)
         self.published: list[tuple[ContainerState, int | None]] = []
         self._files: dict[tuple[str, int], FileState] = {}
         self._skipped: set[tuple[str, str, str]] = set()

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..events import Event, encode
 from ..transport.kafka import KafkaForwarder, ProducerSettings
-from ..transport.locallog import LocalLog
+from ..transport.locallog import LocalLog, LogReader
 from .crosscheck import CrossCheck, DriftTolerance
 from .discover import ListingLimits
 from .identity import IdentityStage
@@ -63,6 +63,15 @@ class CollectorStatus:
     dropped_at_block: int = 0  # `dropped` when it began
 
 
+def last_event_ms(log_dir: Path, next_offset: int) -> int | None:
+    """Event time of the last record in the local log, if it is still there (with Kafka, the
+    spool releases what the broker has)."""
+    if next_offset == 0:
+        return None
+    last = LogReader(log_dir).read(next_offset - 1, 1)
+    return last[0].timestamp_ms if last and last[0].offset == next_offset - 1 else None
+
+
 class Collector:
     def __init__(self, settings: CollectSettings, *, kube_api: Any = None) -> None:
         self.settings = settings
@@ -81,14 +90,6 @@ class Collector:
                 tolerance=settings.drift,
                 inventory_every_ms=int(settings.heartbeat_s * 1000),
             )
-        self.scanner = Scanner(
-            settings.root,
-            heartbeat_s=settings.heartbeat_s,
-            host_proc=settings.host_proc,
-            crosscheck=crosscheck,
-            listing=settings.listing,
-            identity=identity,
-        )
         self.log = LocalLog(
             settings.log_dir, max_bytes=settings.log_max_bytes, fsync=settings.fsync
         )
@@ -99,6 +100,21 @@ class Collector:
                 settings.log_dir,
                 self.log.stats.torn_tail_bytes,
                 self.log.next_offset,
+            )
+        self.scanner = Scanner(
+            settings.root,
+            heartbeat_s=settings.heartbeat_s,
+            host_proc=settings.host_proc,
+            crosscheck=crosscheck,
+            listing=settings.listing,
+            identity=identity,
+            after_ms=last_event_ms(settings.log_dir, self.log.next_offset),
+        )
+        if self.scanner.clock.offset_ms < 0:
+            log.warning(
+                "the wall clock is %d ms behind the last event in %s: event time goes on after it",
+                -self.scanner.clock.offset_ms,
+                settings.log_dir,
             )
         self.forwarder = (
             KafkaForwarder(settings.kafka, self.log, settings.log_dir) if settings.kafka else None
