@@ -54,6 +54,15 @@ def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def _faults(text: str) -> frozenset[str]:
+    from .simulate_faults import parse_faults
+
+    try:
+        return parse_faults(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     path = Path(args.path)
     try:
@@ -114,7 +123,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if root.exists() and not root.is_dir():
         raise UsageError(f"hami-usage simulate: --root {root}: not a directory")
     steps = run(
-        Path(args.root), args.containers, args.layout, args.duration, args.interval, args.seed
+        Path(args.root),
+        args.containers,
+        args.layout,
+        args.duration,
+        args.interval,
+        args.seed,
+        args.faults or frozenset(),
     )
     print(f"simulated {args.containers} containers for {steps} steps under {args.root}")
     return 0
@@ -165,6 +180,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     from .node.discover import ListingLimits
     from .node.podwatch import KubeConfigError
     from .node.service import CollectSettings, collect
+    from .node.writer_faults import WriterFaultSettings
     from .transport.http import ListenError
     from .transport.kafka import ProducerSettings
 
@@ -208,6 +224,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         metrics_hami=cfg.metrics_hami,
         metrics_hami_legacy=cfg.metrics_hami_legacy,
         listing=ListingLimits(cfg.dir_max_entries, cfg.dir_relist, cfg.listing_budget),
+        writer_faults=WriterFaultSettings(cfg.stuck_seqlock_after),
         kube=_kube(cfg),
     )
     _logging(logging.INFO)
@@ -445,6 +462,7 @@ COLLECT_FLAGS = [
     "dir_max_entries",
     "dir_relist",
     "listing_budget",
+    "stuck_seqlock_after",
     "kubernetes",
     "kubeconfig",
     "pod_labels",
@@ -477,6 +495,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=_positive(float), default=10.0, help="seconds (default 10)")
     p.add_argument("--interval", type=_positive(float), default=0.5, help="seconds between steps")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    p.add_argument(
+        "--faults",
+        type=_faults,
+        metavar="F[,F...]",
+        help="inject the real library's failure modes: killed-mid-update, stale-pointer, "
+        "stale-util, real-semaphores",
+    )
     p.set_defaults(func=_cmd_simulate)
 
     p = sub.add_parser("collect", help="node collector: cache files -> events (local log, Kafka)")
@@ -556,6 +581,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--listing-budget",
         type=float,
         help="seconds of folder listing per scan; the rest waits for the next (default 0.2)",
+    )
+    p.add_argument(
+        "--stuck-seqlock-after",
+        type=float,
+        help="a slot whose seqlock stays odd and its bytes unchanged this long is read as it "
+        "stands, with a stuck_seqlock anomaly (default 10 s)",
     )
     p.add_argument(
         "--kubernetes",

@@ -203,7 +203,7 @@ class CacheWriter:
             slot = self.region.procs[k]
             if slot.pid == 0:
                 continue
-            for d in range(MAX_DEVICES):
+            for d in range(self._devices_reset(slot.hostpid, samples)):
                 slot.monitorused[d] = 0
                 if has_util:
                     slot.device_util[d].sm_util = 0
@@ -211,6 +211,10 @@ class CacheWriter:
                 slot.monitorused[d] = mem
                 if has_util:
                     slot.device_util[d].sm_util = sm
+
+    def _devices_reset(self, hostpid: int, samples: dict[int, dict[int, tuple[int, int]]]) -> int:
+        """How many devices (from 0) a watcher cycle resets for one live slot: all of them."""
+        return MAX_DEVICES
 
     def live_totals(self) -> dict[int, tuple[int, int]]:
         """device -> (sum of used.total, sum of sm_util) over the live slots, as written."""
@@ -382,11 +386,23 @@ class GroundTruth:
 
 
 def run(
-    root: Path, containers: int, layout: str, duration: float, interval: float, seed: int
+    root: Path,
+    containers: int,
+    layout: str,
+    duration: float,
+    interval: float,
+    seed: int,
+    faults: frozenset[str] = frozenset(),
 ) -> int:
-    """`hami-usage simulate`: drive files until duration is up; returns the number of steps."""
+    """`hami-usage simulate`: drive files until duration is up; returns the number of steps.
+    `faults`: the real library's failure modes to inject (see `simulate_faults`)."""
     root.mkdir(parents=True, exist_ok=True)
-    sim = NodeSimulator(root, containers, layout, seed=seed)
+    if faults:
+        from .simulate_faults import FaultyNode
+
+        sim: NodeSimulator = FaultyNode(root, containers, layout, faults=faults, seed=seed)
+    else:
+        sim = NodeSimulator(root, containers, layout, seed=seed)
     steps = 0
     deadline = time.monotonic() + duration
     try:

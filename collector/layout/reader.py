@@ -294,6 +294,18 @@ def _parse_proc(
     return ProcSnapshot(k, t[0], t[1], t[-1], devices)
 
 
+def parse_slot(
+    layout: Layout, k: int, raw: bytes, device_num: int
+) -> tuple[ProcSnapshot, list[Anomaly]]:
+    """Slot `k`'s bytes as a snapshot parses them, for slots read outside `snapshot_fd` (past
+    proc_num, or a stuck seqlock's). `raw` must be a whole slot."""
+    anomalies: list[Anomaly] = []
+    ndev = min(device_num, MAX_DEVICES)
+    live_used = [0] * MAX_DEVICES
+    proc = _parse_proc(_codec(layout), _short(layout, ndev), k, raw, ndev, live_used, anomalies)
+    return proc, anomalies
+
+
 def _scan_contiguous(
     f: _File, layout: Layout, size: int, retries: int, anomalies: list[Anomaly]
 ) -> list[tuple[int, bytes]]:

@@ -146,6 +146,7 @@ class CrossCheck:
         self._errors: set[str] = set()  # scopes reported
         self._drift: _Persisting[DriftKey] = _Persisting(confirm)
         self._unaccounted: _Persisting[ProcKey] = _Persisting(confirm)
+        self._stale_util: _Persisting[DriftKey] = _Persisting(confirm)
 
     @property
     def devices(self) -> dict[int, NvmlDevice]:
@@ -227,6 +228,7 @@ class CrossCheck:
             return uuid in listed or uuid not in leaves
 
         events = self._drift_events(listed, files, known, stamp)
+        events += self._stale_util_events(listed, files, stamp)
         unaccounted_bytes, unaccounted = self._unaccounted_events(listed, files, known, stamp)
         events += unaccounted
         rows = [
@@ -299,6 +301,48 @@ class CrossCheck:
             )
             for d in map(drifts.__getitem__, self._drift.update(drifts, drift_known))
         ]
+
+    def _stale_util_events(
+        self, listed: Mapping[str, list[NvmlProcess]], files: list[FileState], stamp: Stamp
+    ) -> list[Event]:
+        """`stale_utilization`: a cache row claims SM use on a device NVML says is idle (0 %)
+        and lists no such process on. HAMi's watcher of 2025-2026 reset `sm_util` of a vanished
+        process on device 0 only, so devices 1-15 could keep a last value forever."""
+        idle = {
+            uuid
+            for d in self._devices.values()
+            for uuid, _, util in d.leaves()
+            if util == 0 and uuid in listed
+        }
+        stale: dict[DriftKey, tuple[FileState, int, int]] = {}
+        for st in files:
+            uuids = {dev.index: dev.uuid for dev in st.devices}
+            for (pid, hostpid, device), row in st.rows.items():
+                uuid = uuids.get(device)
+                if row.sm_util <= 0 or uuid not in idle:
+                    continue
+                if any(p.pid == hostpid for p in listed[uuid]):
+                    continue
+                stale[(st.cid, pid, hostpid, uuid)] = (st, device, row.sm_util)
+        events: list[Event] = []
+        for key in self._stale_util.update(stale, lambda key: key[3] in listed):
+            st, device, sm = stale[key]
+            detail = (
+                f"host pid {key[2]} (pid {key[1]}) on {key[3]} (device {device}): cache sm_util "
+                f"{sm} % but NVML says the device is idle and lists no such process: a stale value"
+            )
+            events.append(
+                stamp(
+                    LayoutAnomaly,
+                    cid=st.cid,
+                    path=st.path,
+                    anomaly="stale_utilization",
+                    detail=detail,
+                    device=device,
+                    value=sm,
+                )
+            )
+        return events
 
     def _unaccounted_events(
         self,

@@ -53,6 +53,7 @@ class FileState:
     devices: list[DeviceLimit] = field(default_factory=list)
     rows: dict[RowKey, UsageRow] = field(default_factory=dict)
     procs: set[ProcKey] = field(default_factory=set)
+    slots: dict[ProcKey, int] = field(default_factory=dict)  # where each process was last seen
     anomalies: set[AnomalyKey] = field(default_factory=set)
     appeared: bool = False
     # The last snapshot was unusable (unreadable, garbage): nothing is restated for it, so the
@@ -200,7 +201,8 @@ def diff(
 
     _report_anomalies(st, anomalies, stamp, events)
 
-    # A slot left out as torn_read is still there: its process has not exited. A garbled
+    # A slot left out as torn_read is still there: the process last seen in it has not exited
+    # (nor lost its rows), while every other process's exit goes out as usual. A garbled
     # proc_num shows the slots up to the first empty one, and maybe stale ones beyond the real
     # end: no process starts or exits on its word.
     torn = any(a.kind == "torn_read" for a in snap.anomalies)
@@ -208,7 +210,8 @@ def diff(
     if garbled:
         procs = {pk: rows for pk, rows in procs.items() if pk in st.procs}
     partial = torn or garbled
-    gone = set() if partial else st.procs - procs.keys()
+    held = set(st.procs) if garbled else _held(st, snap)
+    gone = st.procs - procs.keys() - held
     for pk in sorted(gone):
         events.append(stamp(ProcessExited, cid=st.cid, pid=pk[0], hostpid=pk[1]))
         for rk in [rk for rk in st.rows if rk[:2] == pk]:
@@ -216,7 +219,9 @@ def diff(
     for pk in sorted(procs.keys() - st.procs):
         events.append(stamp(ProcessStarted, cid=st.cid, pid=pk[0], hostpid=pk[1]))
     st.procs = (st.procs - gone) | procs.keys()
-    _sample(st, procs, restate and not partial, partial, stamp, events)
+    slots = {(p.pid, p.hostpid): p.slot for p in snap.procs if p.pid and p.status}
+    st.slots = {pk: slots.get(pk, st.slots.get(pk, -1)) for pk in st.procs}
+    _sample(st, procs, restate and not partial, held, stamp, events)
     st.restate = partial
     return events
 
@@ -225,7 +230,7 @@ def _sample(
     st: FileState,
     procs: dict[ProcKey, list[UsageRow]],
     restate: bool,
-    partial: bool,
+    held: set[ProcKey],
     stamp: Stamp,
     events: list[Event],
 ) -> None:
@@ -244,12 +249,20 @@ def _sample(
             if restate or st.rows.get(rk) != row:
                 st.rows[rk] = row
                 changed.append(row)
-    for rk in sorted(k for k in st.rows.keys() - seen if k[:2] not in st.procs or not partial):
+    for rk in sorted(k for k in st.rows.keys() - seen if k[:2] not in held):
         # The device dropped out of the slot (counters back to zero): state that absolutely.
         del st.rows[rk]
         changed.append(UsageRow(rk[0], rk[1], rk[2], 0, 0, 0, 0, 0, 0))
     if changed:
         events.append(stamp(UsageSample, cid=st.cid, rows=changed))
+
+
+def _held(st: FileState, snap: Snapshot) -> set[ProcKey]:
+    """Processes last seen in a slot that this snapshot left out as torn_read."""
+    torn = {a.slot for a in snap.anomalies if a.kind == "torn_read"}
+    if not torn:
+        return set()
+    return {pk for pk in st.procs if st.slots.get(pk) in torn}
 
 
 def _report_anomalies(

@@ -21,6 +21,7 @@ from .crosscheck import CrossCheck
 from .diff import FileState, diff
 from .discover import CacheFile, Discovery, ListingLimits, Skipped
 from .identity import IdentityStage
+from .writer_faults import WriterFaults, WriterFaultSettings
 
 HEARTBEAT_PART = 64  # containers per heartbeat message, to keep messages well under 1 MB
 
@@ -49,8 +50,10 @@ class Scanner:
         identity: IdentityStage | None = None,
         clock: Clock | None = None,
         after_ms: int | None = None,
+        writer_faults: WriterFaultSettings | None = None,
     ) -> None:
         self.discovery = Discovery(root, listing)
+        self.writer_faults = WriterFaults(writer_faults)
         self.heartbeat_ms = int(heartbeat_s * 1000)
         self.host_proc = host_proc
         self.crosscheck = crosscheck
@@ -109,6 +112,7 @@ class Scanner:
             events += diff(st, snap, self._stamp, host_proc=self.host_proc)
             present[key] = st
         self._report_skipped(refused, skipped_now, events)
+        self.writer_faults.keep(present)
         self._skipped = skipped_now
         for key in sorted(self._files.keys() - present.keys()):
             gone = self._files[key]
@@ -164,7 +168,8 @@ class Scanner:
             skipped.append(fd)
             return None
         try:
-            return snapshot_fd(fd, f.path)
+            snap = snapshot_fd(fd, f.path)
+            return self.writer_faults.check((f.path, f.ino), fd, snap, time.monotonic())
         finally:
             os.close(fd)
 

@@ -26,6 +26,7 @@ from .metrics import Health, KubeHealth, MetricsServer, PodNames, Scrape
 from .nvml import NvmlSource
 from .podwatch import KubeSettings, PodWatch, open_api
 from .scan import Scanner
+from .writer_faults import WriterFaultSettings
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class CollectSettings:
     metrics_hami: bool = False  # also serve HAMi's vGPU monitor's metric names
     metrics_hami_legacy: bool = False  # and the names HAMi served before v2.5
     listing: ListingLimits = ListingLimits()
+    writer_faults: WriterFaultSettings = WriterFaultSettings()
     kube: KubeSettings | None = None  # the pod watch; None: no Kubernetes (no names)
 
 
@@ -107,6 +109,7 @@ class Collector:
             host_proc=settings.host_proc,
             crosscheck=crosscheck,
             listing=settings.listing,
+            writer_faults=settings.writer_faults,
             identity=identity,
             after_ms=last_event_ms(settings.log_dir, self.log.next_offset),
         )

@@ -1,0 +1,196 @@
+"""What the real HAMi-core writer gets wrong, recognised across scans (see `simulate_faults`).
+
+Per file, after its snapshot and while its descriptor is open:
+
+* `stuck_seqlock`: a slot left out as `torn_read` whose seqlock stays at one odd value with its
+  bytes unchanged for `stuck_after_s` is a writer killed between its two increments. Nobody will
+  finish that update: the slot is read as it stands (quiescent), so it neither drops out of the
+  bill nor holds back anything.
+* `orphaned_slot`: a compaction that left a moved process's slot pointer stale makes that
+  process write at or beyond `proc_num` while a frozen copy of it sits below. The few slots just
+  past `proc_num` are read each scan; a live one whose bytes change is being written, and its
+  usage is taken from there instead of from the frozen copy. Two live slots below `proc_num`
+  with one (pid, hostpid) are reported too, and the one its writer updates (the higher seqlock
+  count) is used.
+
+Nothing here writes to the file; every read is a `pread` of the descriptor the scan opened.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ..layout.declarations import LAYOUTS, MAX_PROCS, Layout
+from ..layout.reader import parse_slot
+from ..layout.snapshot import Anomaly, ProcSnapshot, Snapshot
+
+FileKey = tuple[str, int]  # (path, inode), as the scanner keys files
+BEYOND = 2  # slots past proc_num read each scan: one compaction leaves its mover at proc_num
+
+
+@dataclass(frozen=True)
+class WriterFaultSettings:
+    stuck_after_s: float = 10.0
+
+
+@dataclass
+class _Watch:
+    stuck: dict[int, tuple[int, bytes, float]] = field(default_factory=dict)  # (seq, raw, since)
+    beyond: dict[int, bytes] = field(default_factory=dict)  # slot -> bytes at the last scan
+    orphans: set[int] = field(default_factory=set)  # slots past proc_num seen being written
+
+
+class WriterFaults:
+    def __init__(self, settings: WriterFaultSettings | None = None) -> None:
+        self.settings = settings or WriterFaultSettings()
+        self._files: dict[FileKey, _Watch] = {}
+
+    def keep(self, keys: Iterable[FileKey]) -> None:
+        """Forget the files that are gone."""
+        wanted = set(keys)
+        self._files = {k: w for k, w in self._files.items() if k in wanted}
+
+    def check(self, key: FileKey, fd: int, snap: Snapshot, now_s: float) -> Snapshot:
+        layout = LAYOUTS.get(snap.layout or "")
+        if layout is None:
+            return snap
+        w = self._files.setdefault(key, _Watch())
+        procs = list(snap.procs)
+        anomalies = list(snap.anomalies)
+        self._stuck(w, fd, layout, snap.device_num, procs, anomalies, now_s)
+        self._beyond(w, fd, layout, snap, procs, anomalies)
+        _duplicates(fd, layout, procs, anomalies)
+        if procs == snap.procs and anomalies == snap.anomalies:
+            return snap
+        procs.sort(key=lambda p: p.slot)
+        return msgspec.structs.replace(snap, procs=procs, anomalies=anomalies)
+
+    def _stuck(
+        self,
+        w: _Watch,
+        fd: int,
+        layout: Layout,
+        device_num: int,
+        procs: list[ProcSnapshot],
+        anomalies: list[Anomaly],
+        now_s: float,
+    ) -> None:
+        seen: dict[int, tuple[int, bytes, float]] = {}
+        if layout.slot_seqlock is not None:
+            for a in [a for a in anomalies if a.kind == "torn_read" and a.slot is not None]:
+                k = a.slot
+                assert k is not None
+                got = _stable_odd(fd, layout, k)
+                if got is None:
+                    continue  # really changing: a torn read this time
+                seq, raw = got
+                prev = w.stuck.get(k)
+                since = prev[2] if prev is not None and prev[:2] == (seq, raw) else now_s
+                seen[k] = (seq, raw, since)
+                if now_s - since < self.settings.stuck_after_s:
+                    continue
+                proc, extra = parse_slot(layout, k, raw, device_num)
+                procs.append(proc)
+                anomalies.remove(a)
+                anomalies.extend(extra)
+                detail = (
+                    f"slot {k}: seqlock {seq} odd and unchanged, its bytes stable, for "
+                    f"{self.settings.stuck_after_s:g} s or more: a writer died mid-update; "
+                    "read as it stands"
+                )
+                anomalies.append(Anomaly("stuck_seqlock", detail, slot=k, value=seq))
+        w.stuck = seen
+
+    @staticmethod
+    def _beyond(
+        w: _Watch,
+        fd: int,
+        layout: Layout,
+        snap: Snapshot,
+        procs: list[ProcSnapshot],
+        anomalies: list[Anomaly],
+    ) -> None:
+        n = min(max(snap.proc_num, 0), MAX_PROCS)
+        seen: dict[int, bytes] = {}
+        for k in range(n, min(n + BEYOND, MAX_PROCS)):
+            raw = _pread(fd, layout.slot_offset(k), layout.slot_size)
+            if len(raw) < layout.slot_size or raw != _pread(fd, layout.slot_offset(k), len(raw)):
+                continue  # past the end, or changing under us: look again next scan
+            if raw.count(0) == len(raw):
+                continue
+            seen[k] = raw
+            proc, _ = parse_slot(layout, k, raw, snap.device_num)
+            prev = w.beyond.get(k)
+            if proc.pid == 0 or proc.status == 0:
+                continue
+            if k not in w.orphans and (prev is None or prev == raw):
+                continue  # a stale copy compaction left behind: never written since
+            w.orphans.add(k)
+            key = (proc.pid, proc.hostpid)
+            procs[:] = [p for p in procs if (p.pid, p.hostpid) != key]
+            procs.append(proc)
+            detail = (
+                f"pid {proc.pid} (host pid {proc.hostpid}) writes slot {k}, at or beyond "
+                f"proc_num {snap.proc_num}: a slot pointer left stale by compaction; its "
+                "usage is taken from there"
+            )
+            anomalies.append(Anomaly("orphaned_slot", detail, slot=k, value=proc.pid))
+        w.beyond = seen
+        w.orphans &= {k for k, raw in seen.items()}
+
+
+def _duplicates(
+    fd: int, layout: Layout, procs: list[ProcSnapshot], anomalies: list[Anomaly]
+) -> None:
+    """Two live slots with one (pid, hostpid): keep the one its writer updates."""
+    groups: dict[tuple[int, int], list[ProcSnapshot]] = {}
+    for p in procs:
+        if p.pid != 0 and p.status != 0:
+            groups.setdefault((p.pid, p.hostpid), []).append(p)
+    for (pid, hostpid), same in groups.items():
+        if len(same) < 2:
+            continue
+        keep = max(same, key=lambda p: (_seq(fd, layout, p.slot), -p.slot))
+        for p in same:
+            if p is keep:
+                continue
+            procs.remove(p)
+            detail = (
+                f"pid {pid} (host pid {hostpid}) is in slots {p.slot} and {keep.slot}: a slot "
+                f"pointer left stale by compaction; usage is taken from slot {keep.slot}"
+            )
+            anomalies.append(Anomaly("orphaned_slot", detail, slot=p.slot, value=pid))
+
+
+def _pread(fd: int, offset: int, length: int) -> bytes:
+    try:
+        return os.pread(fd, length, offset)
+    except OSError:
+        return b""
+
+
+def _seq(fd: int, layout: Layout, k: int) -> int:
+    """A slot's seqlock count (how often its writer updated it); 0 without a seqlock."""
+    if layout.slot_seqlock is None:
+        return 0
+    raw = _pread(fd, layout.slot_offset(k) + layout.slot_seqlock, 8)
+    return int.from_bytes(raw, "little") if len(raw) == 8 else 0
+
+
+def _stable_odd(fd: int, layout: Layout, k: int) -> tuple[int, bytes] | None:
+    """(seqlock, slot bytes) when the seqlock is odd and neither it nor the bytes change across
+    two reads; None otherwise."""
+    assert layout.slot_seqlock is not None
+    off = layout.slot_offset(k)
+    at = off + layout.slot_seqlock
+    s0 = _pread(fd, at, 8)
+    raw = _pread(fd, off, layout.slot_size)
+    s1 = _pread(fd, at, 8)
+    again = _pread(fd, off, layout.slot_size)
+    if len(s0) != 8 or s0 != s1 or not s0[0] & 1 or len(raw) < layout.slot_size or raw != again:
+        return None
+    return int.from_bytes(s0, "little"), raw

@@ -1,0 +1,230 @@
+"""The real HAMi-core writer's failure modes (simulate_faults) and how the collector takes them.
+
+Files are written by `FaultyWriter`, the simulator with the library's faults; the real Scanner
+reads them (and, for stale utilisation, the real CrossCheck against the NVML stand-in).
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_nvml import FakeGpu, FakeNvml
+
+from collector.events import Event, LayoutAnomaly, ProcessExited, UsageSample
+from collector.layout.declarations import V11, V11_INTERIM, V12
+from collector.layout.reader import read_snapshot
+from collector.node.crosscheck import CrossCheck
+from collector.node.diff import FileState, diff
+from collector.node.nvml import NvmlSource
+from collector.node.scan import Scanner
+from collector.node.writer_faults import WriterFaultSettings
+from collector.simulate import GiB, MiB, SimDevice, pod_dir
+from collector.simulate_faults import FAULTS, FaultyNode, FaultyWriter, parse_faults
+
+POD = "6f1c2a3b-4d5e-4f60-8a7b-9c0d1e2f3a4b"
+GPU0 = "GPU-11111111-2222-4333-8444-555555555555"
+GPU1 = "GPU-66666666-7777-4888-9999-aaaaaaaaaaaa"
+DEVICES = [SimDevice(GPU0, 40 * GiB), SimDevice(GPU1, 40 * GiB)]
+STUCK_S = 0.3
+
+
+@pytest.fixture
+def writers() -> Iterator[list[FaultyWriter]]:
+    made: list[FaultyWriter] = []
+    yield made
+    for w in made:
+        w.close()
+
+
+def writer(root: Path, made: list[FaultyWriter], *faults: str, layout: Any = V12) -> FaultyWriter:
+    d = pod_dir(root, POD, "main")
+    d.mkdir(parents=True, exist_ok=True)
+    w = FaultyWriter(d / "a.cache", layout, DEVICES, faults=faults)
+    made.append(w)
+    return w
+
+
+def scanner(root: Path) -> Scanner:
+    return Scanner(
+        root, heartbeat_s=3600, inc=1, writer_faults=WriterFaultSettings(stuck_after_s=STUCK_S)
+    )
+
+
+def kinds(events: list[Event]) -> list[tuple[str, int | None, int | None]]:
+    return [(e.anomaly, e.slot, e.value) for e in events if isinstance(e, LayoutAnomaly)]
+
+
+def rows(events: list[Event]) -> dict[tuple[int, int], int]:
+    """(pid, device) -> total, from the usage samples of one scan."""
+    return {
+        (r.pid, r.device): r.total for e in events if isinstance(e, UsageSample) for r in e.rows
+    }
+
+
+def billed(s: Scanner) -> dict[int, int]:
+    """device -> sum of used.total over the live rows the collector holds (what it bills)."""
+    out: dict[int, int] = {}
+    for st in s._files.values():
+        for r in st.rows.values():
+            out[r.device] = out.get(r.device, 0) + r.total
+    return out
+
+
+def truth(w: FaultyWriter) -> dict[int, int]:
+    """device -> bytes the live processes meant to account (the simulator's ground truth)."""
+    return {d: mem for d, (mem, _) in w.live_totals().items()}
+
+
+def test_a_writer_killed_mid_update_is_read_as_it_stands_and_holds_back_no_exit(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    w = writer(tmp_path, writers, "killed-mid-update")
+    w.add_process(10, 1010)
+    w.add_process(11, 1011)
+    w.add_memory(10, 0, "data", GiB)
+    w.add_memory(11, 1, "data", 2 * GiB)
+    s = scanner(tmp_path)
+    s.scan()
+    w.kill_mid_update(10, 0, "data", 512 * MiB)  # seqlock odd forever
+    w.exit(11)  # another process exits meanwhile
+    first = s.scan()
+    # The other process's exit is not held back by the stuck slot.
+    assert [(e.pid, e.hostpid) for e in first if isinstance(e, ProcessExited)] == [(11, 1011)]
+    assert kinds(first) == [("torn_read", 0, None)]
+    time.sleep(STUCK_S + 0.05)
+    second = s.scan()
+    seq = 2 * 1 + 1  # one complete update, then the first half of the next
+    assert kinds(second) == [("stuck_seqlock", 0, seq)]
+    assert rows(second) == {(10, 0): GiB + 512 * MiB}  # the counters as the writer left them
+    assert billed(s) == truth(w)
+    assert kinds(s.scan()) == []  # reported once while it lasts
+
+
+def test_a_changing_odd_seqlock_is_never_taken_as_stuck(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    w = writer(tmp_path, writers)
+    w.add_process(10, 1010)
+    s = scanner(tmp_path)
+    s.scan()
+    w.kill_mid_update(10, 0, "data", MiB)
+    for i in range(3):
+        time.sleep(STUCK_S / 2)
+        w.region.procs[0].used[0].data_size += 1  # still being written: bytes change
+        w.region.procs[0].used[0].total += 1
+        assert [k for k, *_ in kinds(s.scan())] in ([], ["torn_read"]), i
+
+
+def test_a_stale_slot_pointer_after_compaction_is_followed(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    w = writer(tmp_path, writers, "stale-pointer")
+    for pid in (10, 11, 12):
+        w.add_process(pid, 1000 + pid)
+        w.add_memory(pid, 0, "data", GiB)
+    s = scanner(tmp_path)
+    s.scan()
+    w.exit(11)
+    w.compact()  # 12 is copied into slot 1 but keeps writing slot 2, beyond proc_num
+    assert (w.proc_num, w.pointer) == (2, {12: 2})
+    s.scan()
+    w.add_memory(12, 0, "data", 3 * GiB)
+    w.add_memory(12, 1, "context", GiB)
+    events = s.scan()
+    assert kinds(events) == [("orphaned_slot", 2, 12)]
+    assert rows(events) == {(12, 0): 4 * GiB, (12, 1): GiB}
+    assert billed(s) == truth(w) == {0: 5 * GiB, 1: GiB}
+    w.add_memory(12, 0, "data", -GiB)
+    assert rows(s.scan()) == {(12, 0): 3 * GiB}  # followed from then on
+
+
+def test_two_live_slots_with_one_pid_take_the_one_its_writer_updates(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    w = writer(tmp_path, writers)
+    w.add_process(10, 1010)
+    w.add_memory(10, 0, "data", GiB)
+    w.add_process(20, 1020)
+    # A copy of pid 10 in slot 2 that its (stale) pointer writes to.
+    w.add_process(99, 0)
+    C.memmove(C.addressof(w.region.procs[2]), C.addressof(w.region.procs[0]), V12.slot_size)
+    w.pointer[10] = 2
+    w.add_memory(10, 0, "data", 2 * GiB)
+    events = scanner(tmp_path).scan()
+    assert kinds(events) == [("orphaned_slot", 0, 10)]
+    assert rows(events)[(10, 0)] == 3 * GiB
+
+
+def test_stale_utilisation_on_an_idle_device_is_flagged(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    w = writer(tmp_path, writers, "stale-util")
+    w.add_process(10, 1010)
+    w.add_memory(10, 0, "data", GiB)
+    w.add_memory(10, 1, "data", GiB)
+    w.watch({1010: {0: (GiB, 30), 1: (GiB, 70)}})
+    fake = FakeNvml([FakeGpu(GPU0, utilization=30), FakeGpu(GPU1, utilization=70)])
+    fake.gpus[0].processes = {1010: GiB}
+    fake.gpus[1].processes = {1010: GiB}
+    source = NvmlSource.open(api_factory=lambda: fake, timeout_s=2.0)
+    assert source is not None
+    cc = CrossCheck(source, confirm=1)
+    st = FileState(0, POD, "main", str(w.path))
+    seq = iter(range(1000))
+
+    def stamp(cls: type[Any], **fields: Any) -> Any:
+        return cls(v=1, inc=1, seq=next(seq), ts=0, **fields)
+
+    def step() -> list[Event]:
+        diff(st, read_snapshot(w.path), stamp)
+        return [e for e in cc.check(0, [st], stamp) if isinstance(e, LayoutAnomaly)]
+
+    try:
+        assert [e.anomaly for e in step()] == []
+        # The process vanishes from NVML; the faulty watcher resets device 0 only.
+        fake.gpus[0].processes, fake.gpus[1].processes = {}, {}
+        fake.gpus[0].utilization = fake.gpus[1].utilization = 0
+        w.watch({})
+        assert read_snapshot(w.path).procs[0].devices[1].sm_util == 70
+        got = [(e.anomaly, e.device, e.value) for e in step()]
+        assert ("stale_utilization", 1, 70) in got
+        assert all(kind != "stale_utilization" or dev == 1 for kind, dev, _ in got)
+    finally:
+        cc.close()
+
+
+@pytest.mark.parametrize("layout", [V11, V11_INTERIM, V12], ids=lambda lay: lay.name)
+def test_semaphores_as_the_real_library_sets_them(
+    tmp_path: Path, writers: list[FaultyWriter], layout: Any
+) -> None:
+    w = writer(tmp_path, writers, "real-semaphores", layout=layout)
+    assert w.region.sem.value == 1
+    if hasattr(w.region, "sem_postinit"):
+        assert w.region.sem_postinit.value == 1
+    snap = read_snapshot(w.path)
+    assert snap.layout == layout.name
+    assert [d.uuid for d in snap.devices] == [GPU0, GPU1]
+
+
+def test_faults_flag_and_python_api(tmp_path: Path) -> None:
+    assert parse_faults("stale-util, real-semaphores") == {"stale-util", "real-semaphores"}
+    with pytest.raises(ValueError, match="unknown fault nope"):
+        parse_faults("nope")
+    node = FaultyNode(tmp_path / "api", 3, "v1.2", faults=FAULTS, seed=4)
+    for i in range(40):
+        node.step(1_700_000_000 + i)
+    node.close()
+    proc = subprocess.run(
+        [sys.executable, "-m", "collector", "simulate", "--root", str(tmp_path / "cli"),
+         "--duration", "1", "--interval", "0.1", "--faults", ",".join(FAULTS)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert len(list((tmp_path / "cli").glob("*/*.cache"))) == 4
