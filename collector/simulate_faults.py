@@ -114,26 +114,34 @@ class FaultyWriter(CacheWriter):
     def exit(self, pid: int) -> None:
         if pid in self.pointer:
             slot = self.region.procs[self.pointer.pop(pid)]
-            slot.pid = 0
-            slot.status = 0
+            if slot.pid == pid:  # not since given to a new process (see add_process)
+                slot.pid = 0
+                slot.status = 0
             return
         super().exit(pid)
 
+    def add_process(self, pid: int, hostpid: int = 0) -> int:
+        """As the library: a new process takes slot proc_num even when a stale pointer still
+        writes there; both then count in that one slot (not separable from the file)."""
+        return super().add_process(pid, hostpid)
+
     def live_totals(self) -> dict[int, tuple[int, int]]:
-        """What the writers meant: a process with a stale pointer counts from where it writes,
-        not from its frozen copy below proc_num."""
+        """What the writers meant: a process with a stale pointer counts its memory from where
+        it writes, not from its frozen copy below proc_num; its SM use from that copy, where
+        the watcher (which matches slots below proc_num by host pid) keeps writing it."""
         out: dict[int, tuple[int, int]] = {}
         has_util = self.layout.device_util is not None
+        below = [self.region.procs[k] for k in range(min(max(self.proc_num, 0), MAX_PROCS))]
+        copies = {slot.pid: slot for slot in below}
         seen: set[int] = set()
-        slots = [self.region.procs[k] for k in self.pointer.values()]
-        slots += [self.region.procs[k] for k in range(min(max(self.proc_num, 0), MAX_PROCS))]
-        for slot in slots:
+        for slot in [self.region.procs[k] for k in self.pointer.values()] + below:
             if slot.pid == 0 or slot.status == 0 or slot.pid in seen:
                 continue
             seen.add(slot.pid)
+            watched = copies.get(slot.pid, slot)
             for d in range(len(self.devices)):
                 mem, sm = out.get(d, (0, 0))
-                util = slot.device_util[d].sm_util if has_util else 0
+                util = watched.device_util[d].sm_util if has_util else 0
                 out[d] = (mem + slot.used[d].total, sm + util)
         return out
 

@@ -258,11 +258,14 @@ def _sample(
 
 
 def _held(st: FileState, snap: Snapshot) -> set[ProcKey]:
-    """Processes last seen in a slot that this snapshot left out as torn_read."""
-    torn = {a.slot for a in snap.anomalies if a.kind == "torn_read"}
+    """Processes in a slot this snapshot left out as torn_read: last seen there, or with the
+    pid the collector read there (`value`, when it could)."""
+    torn = [a for a in snap.anomalies if a.kind == "torn_read"]
     if not torn:
         return set()
-    return {pk for pk in st.procs if st.slots.get(pk) in torn}
+    slots = {a.slot for a in torn}
+    pids = {a.value for a in torn if a.value}
+    return {pk for pk in st.procs if st.slots.get(pk) in slots or pk[0] in pids}
 
 
 def _report_anomalies(

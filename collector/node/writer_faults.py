@@ -29,7 +29,11 @@ from ..layout.reader import parse_slot
 from ..layout.snapshot import Anomaly, ProcSnapshot, Snapshot
 
 FileKey = tuple[str, int]  # (path, inode), as the scanner keys files
-BEYOND = 2  # slots past proc_num read each scan: one compaction leaves its mover at proc_num
+# Slots past proc_num read each scan: at least BEYOND (one compaction leaves its mover at
+# proc_num), and up to the highest proc_num seen (a compaction of several holes leaves movers
+# further out), at most REACH.
+BEYOND = 2
+REACH = 64
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,9 @@ class WriterFaultSettings:
 class _Watch:
     stuck: dict[int, tuple[int, bytes, float]] = field(default_factory=dict)  # (seq, raw, since)
     beyond: dict[int, bytes] = field(default_factory=dict)  # slot -> bytes at the last scan
+    below: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (pid, hostpid) -> bytes
     orphans: set[int] = field(default_factory=set)  # slots past proc_num seen being written
+    high: int = 0  # the highest proc_num seen
 
 
 class WriterFaults:
@@ -84,13 +90,23 @@ class WriterFaults:
             for a in [a for a in anomalies if a.kind == "torn_read" and a.slot is not None]:
                 k = a.slot
                 assert k is not None
+                # The slot's pid (not under the seqlock, so as good as any read): the process
+                # whose exit the torn slot holds back, wherever compaction moved it from.
+                pid = _pread(fd, layout.slot_offset(k), 4)
+                if len(pid) == 4:
+                    i = anomalies.index(a)
+                    anomalies[i] = a = msgspec.structs.replace(
+                        a, value=int.from_bytes(pid, "little", signed=True)
+                    )
                 got = _stable_odd(fd, layout, k)
                 if got is None:
                     continue  # really changing: a torn read this time
                 seq, raw = got
+                # Stable in what only the process writes: the watcher may still write the rest.
+                owned = _owned(layout, raw)
                 prev = w.stuck.get(k)
-                since = prev[2] if prev is not None and prev[:2] == (seq, raw) else now_s
-                seen[k] = (seq, raw, since)
+                since = prev[2] if prev is not None and prev[:2] == (seq, owned) else now_s
+                seen[k] = (seq, owned, since)
                 if now_s - since < self.settings.stuck_after_s:
                     continue
                 proc, extra = parse_slot(layout, k, raw, device_num)
@@ -115,24 +131,32 @@ class WriterFaults:
         anomalies: list[Anomaly],
     ) -> None:
         n = min(max(snap.proc_num, 0), MAX_PROCS)
+        below = _below(fd, layout, procs, n)
         seen: dict[int, bytes] = {}
-        for k in range(n, min(n + BEYOND, MAX_PROCS)):
+        w.high = max(w.high, n)
+        for k in range(n, min(max(n + BEYOND, w.high), n + REACH, MAX_PROCS)):
             raw = _pread(fd, layout.slot_offset(k), layout.slot_size)
             if len(raw) < layout.slot_size or raw != _pread(fd, layout.slot_offset(k), len(raw)):
                 continue  # past the end, or changing under us: look again next scan
             if raw.count(0) == len(raw):
                 continue
-            seen[k] = raw
+            seen[k] = _owned(layout, raw)
             proc, _ = parse_slot(layout, k, raw, snap.device_num)
-            prev = w.beyond.get(k)
             if proc.pid == 0 or proc.status == 0:
                 continue
-            if k not in w.orphans and (prev is None or prev == raw):
-                continue  # a stale copy compaction left behind: never written since
-            w.orphans.add(k)
             key = (proc.pid, proc.hostpid)
+            # Only the process itself writes `used[]` and the seqlock (the watcher writes the
+            # copy below too): its copy below proc_num is frozen there, or absent.
+            mine = _owned(layout, raw)
+            frozen = key not in below or below[key] == w.below.get(key)
+            written = w.beyond.get(k) not in (None, mine)
+            if not frozen or not (written or k in w.orphans):
+                w.orphans.discard(k)
+                continue  # a stale copy compaction left behind, or a slot moved under us
+            w.orphans.add(k)
+            copy = [p for p in procs if (p.pid, p.hostpid) == key]
             procs[:] = [p for p in procs if (p.pid, p.hostpid) != key]
-            procs.append(proc)
+            procs.append(_merged(proc, copy[0]) if copy else proc)
             detail = (
                 f"pid {proc.pid} (host pid {proc.hostpid}) writes slot {k}, at or beyond "
                 f"proc_num {snap.proc_num}: a slot pointer left stale by compaction; its "
@@ -140,7 +164,8 @@ class WriterFaults:
             )
             anomalies.append(Anomaly("orphaned_slot", detail, slot=k, value=proc.pid))
         w.beyond = seen
-        w.orphans &= {k for k, raw in seen.items()}
+        w.below = below
+        w.orphans &= seen.keys()
 
 
 def _duplicates(
@@ -164,6 +189,40 @@ def _duplicates(
                 f"pointer left stale by compaction; usage is taken from slot {keep.slot}"
             )
             anomalies.append(Anomaly("orphaned_slot", detail, slot=p.slot, value=pid))
+
+
+def _below(
+    fd: int, layout: Layout, procs: list[ProcSnapshot], n: int
+) -> dict[tuple[int, int], bytes]:
+    """What each live process below proc_num writes itself (see `_owned`), now."""
+    out: dict[tuple[int, int], bytes] = {}
+    for p in procs:
+        if p.pid != 0 and p.status != 0 and p.slot < n:
+            raw = _pread(fd, layout.slot_offset(p.slot), layout.slot_size)
+            out.setdefault((p.pid, p.hostpid), _owned(layout, raw))
+    return out
+
+
+def _owned(layout: Layout, raw: bytes) -> bytes:
+    """The part of a slot only its process writes: `used[]` and the seqlock."""
+    seq = layout.slot_seqlock
+    tail = b"" if seq is None else raw[seq : seq + 8]
+    return raw[layout.slot_used : layout.slot_monitorused] + tail
+
+
+def _merged(written: ProcSnapshot, copy: ProcSnapshot) -> ProcSnapshot:
+    """Memory from the slot the process writes; `monitorused` and `sm_util` from its copy below
+    proc_num, which is where HAMi's watcher (matching by host pid) keeps writing them."""
+    watched = {u.index: u for u in copy.devices}
+    devices = [
+        msgspec.structs.replace(
+            u,
+            monitor=watched[u.index].monitor if u.index in watched else 0,
+            sm_util=watched[u.index].sm_util if u.index in watched else 0,
+        )
+        for u in written.devices
+    ]
+    return msgspec.structs.replace(written, devices=devices)
 
 
 def _pread(fd: int, offset: int, length: int) -> bytes:
