@@ -12,6 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -20,9 +24,12 @@ from typing import Any
 import pytest
 from kube_apiserver import ApiServer, make_pod
 
-from collector.events import Identity
+from collector.events import Identity, PodIdentity, decode
+from collector.layout.declarations import V12
 from collector.node.allocation import AllocatedDevice
 from collector.node.podwatch import KubeConfigError, KubeSettings, PodWatch, open_api
+from collector.simulate import GiB, SimDevice, new_cache_file
+from collector.transport.locallog import LogReader
 
 NODE = "node-a"
 FAST = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2, "request_timeout_s": 2.0}
@@ -316,3 +323,73 @@ async def test_a_kubeconfig_that_cannot_be_used_is_one_line(tmp_path: Path) -> N
     path.write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
     with pytest.raises(KubeConfigError, match=r"^kubernetes configuration \(.*kubeconfig\): "):
         await open_api(KubeSettings(kubeconfig=str(path)))
+
+
+# --- the collect command's Kubernetes settings ----------------------------------------------
+
+
+def collect(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    root, log = tmp_path / "root", tmp_path / "log"
+    root.mkdir(exist_ok=True)
+    drop = ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("HAMI_USAGE_") and k not in drop
+    }
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "hami-usage"), "collect", "--root", str(root),
+         "--log", str(log), "--node", NODE, "--no-nvml", "--interval", "0.3", *args],
+        capture_output=True, text=True, timeout=60, env={**clean, **env}, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "hami-usage collect: --kubeconfig {path}: no such file"),
+        ("clusters: [", "hami-usage collect: kubernetes configuration ({path}): "),
+        (
+            "apiVersion: v1\nkind: Config\n",
+            "hami-usage collect: kubernetes configuration ({path}): ",
+        ),
+    ],
+)
+def test_a_kubeconfig_that_cannot_be_used_exits_2_with_one_line(
+    tmp_path: Path, content: str | None, message: str
+) -> None:
+    path = tmp_path / "kubeconfig"
+    if content is not None:
+        path.write_text(content)
+    proc = collect(tmp_path, "--kubeconfig", str(path), "--max-scans", "1")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message.format(path=path)), proc.stderr
+
+
+def test_kubeconfig_from_the_environment_and_no_kubernetes(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    pod = server.add_owned_pod("web", "DaemonSet", "agent", "agent-1", ["a"])
+    new_cache_file(tmp_path / "root", pod["metadata"]["uid"], "a", V12, [SimDevice("GPU-a", GiB)])
+    kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
+
+    def identities(proc: subprocess.CompletedProcess[str]) -> list[str]:
+        assert proc.returncode == 0, proc.stderr
+        records = LogReader(tmp_path / "log").read(0, 100_000)
+        return [e.identity.pod for r in records for e in [decode(r.value)]
+                if isinstance(e, PodIdentity)]  # fmt: skip
+
+    # $KUBECONFIG is used when --kubeconfig is not given (scans wait for nothing: a few of them
+    # pass before the list comes back; the last ones carry the name).
+    assert "agent-1" in identities(
+        collect(tmp_path, "--max-scans", "15", KUBECONFIG=str(kubeconfig))
+    )
+    shutil.rmtree(tmp_path / "log")
+    asked = len(server.requests)
+    off = collect(tmp_path, "--max-scans", "3", "--no-kubernetes", KUBECONFIG=str(kubeconfig))
+    assert identities(off) == []
+    assert len(server.requests) == asked  # not a single request
+    shutil.rmtree(tmp_path / "log")
+    # Neither a kubeconfig nor a cluster: off by itself, in one log line.
+    alone = collect(tmp_path, "--max-scans", "2")
+    assert identities(alone) == []
+    assert "not in a cluster and no --kubeconfig or $KUBECONFIG: pod names are off" in alone.stderr

@@ -551,6 +551,7 @@ def _deleted(pv: PodView, now: float) -> PodView:
 async def open_api(settings: KubeSettings) -> Any:
     """An ApiClient from the kubeconfig, else from the in-cluster service account. Raises
     KubeConfigError with a one-line message when the configuration cannot be used."""
+    import yaml  # what kubernetes_asyncio parses a kubeconfig with
     from kubernetes_asyncio.client import ApiClient, Configuration
     from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
 
@@ -562,9 +563,10 @@ async def open_api(settings: KubeSettings) -> Any:
             )
         else:
             load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    except (ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
+    except (ConfigException, OSError, ValueError, TypeError, KeyError, yaml.YAMLError) as exc:
         where = settings.kubeconfig or "in-cluster service account"
-        raise KubeConfigError(f"kubernetes configuration ({where}): {exc}") from None
+        detail = " ".join(str(exc).split())  # one line, whatever the parser said
+        raise KubeConfigError(f"kubernetes configuration ({where}): {detail}") from None
     return ApiClient(configuration=cfg)
 
 
