@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -393,3 +394,30 @@ def test_kubeconfig_from_the_environment_and_no_kubernetes(
     alone = collect(tmp_path, "--max-scans", "2")
     assert identities(alone) == []
     assert "not in a cluster and no --kubeconfig or $KUBECONFIG: pod names are off" in alone.stderr
+
+
+async def test_terminated_statuses_and_phase_reach_the_view(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    pod = server.add_cronjob_pod("ml", "nightly-eval", ["eval", "log"])
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 10)
+        uid = pod["metadata"]["uid"]
+        assert (watch.view[uid].phase, watch.view[uid].ended) == ("Running", ())
+        done = json.loads(json.dumps(pod))
+        done["status"]["phase"] = "Succeeded"
+        done["status"]["containerStatuses"][0]["state"] = {
+            "terminated": {"exitCode": 0, "reason": "Completed",
+                           "startedAt": "2026-11-30T10:00:05Z",
+                           "finishedAt": "2026-11-30T10:00:13Z"}
+        }  # fmt: skip
+        done["status"]["initContainerStatuses"] = [
+            {"name": "init", "ready": False, "restartCount": 0, "image": "busybox",
+             "state": {"terminated": {"exitCode": 0, "finishedAt": "2026-11-30T10:00:04Z"}}}
+        ]  # fmt: skip
+        server.put_pod(done)
+        await until(lambda: watch.view[uid].phase == "Succeeded")
+        assert watch.view[uid].ended == (
+            ("init", "2026-11-30T10:00:04Z"),
+            ("eval", "2026-11-30T10:00:13Z"),
+        )

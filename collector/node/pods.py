@@ -49,8 +49,36 @@ class PodSpec(msgspec.Struct, frozen=True, rename="camel"):
     containers: list[ContainerSpec] = []
 
 
-class PodStatus(msgspec.Struct, frozen=True):
+class Terminated(msgspec.Struct, frozen=True, rename="camel"):
+    finished_at: str = ""
+    exit_code: int = 0
+    reason: str = ""
+
+
+class ContainerRunState(msgspec.Struct, frozen=True):
+    """`state` of a container status: exactly one of running, waiting, terminated is set."""
+
+    terminated: Terminated | None = None
+
+
+class ContainerStatus(msgspec.Struct, frozen=True, rename="camel"):
+    name: str = ""
+    restart_count: int = 0
+    state: ContainerRunState = ContainerRunState()
+
+
+class PodStatus(msgspec.Struct, frozen=True, rename="camel"):
     phase: str = ""
+    container_statuses: list[ContainerStatus] = []
+    init_container_statuses: list[ContainerStatus] = []
+
+    def ended(self) -> tuple[tuple[str, str], ...]:
+        """(container, finishedAt) of the containers whose current state is terminated."""
+        return tuple(
+            (c.name, c.state.terminated.finished_at)
+            for c in (*self.init_container_statuses, *self.container_statuses)
+            if c.state.terminated is not None
+        )
 
 
 class Pod(msgspec.Struct, frozen=True):
@@ -97,6 +125,8 @@ class PodView:
     allocation_error: str | None
     deleted: bool = False
     deleted_at: float = 0.0  # monotonic
+    phase: str = ""
+    ended: tuple[tuple[str, str], ...] = ()  # (container, finishedAt) of terminated containers
 
 
 pod_decoder = msgspec.json.Decoder(Pod)

@@ -27,6 +27,7 @@ marked deleted, for `keep_deleted_s`: its containers may still be running and bi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -486,7 +487,8 @@ class PodWatch:
             except allocation.AllocationError as exc:
                 error = str(exc)
         containers = tuple(c.name for c in pod.spec.containers)
-        view = PodView(identity, containers, alloc, error)
+        status = pod.status
+        view = PodView(identity, containers, alloc, error, phase=status.phase, ended=status.ended())
         if old is not None and old == view:
             return old
         return view
@@ -545,7 +547,7 @@ class PodWatch:
 def _deleted(pv: PodView, now: float) -> PodView:
     if pv.deleted:
         return pv
-    return PodView(pv.identity, pv.containers, pv.allocation, pv.allocation_error, True, now)
+    return dataclasses.replace(pv, deleted=True, deleted_at=now)
 
 
 async def open_api(settings: KubeSettings) -> Any:

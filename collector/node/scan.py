@@ -21,6 +21,7 @@ from .crosscheck import CrossCheck
 from .diff import FileState, diff
 from .discover import CacheFile, Discovery, ListingLimits, Skipped
 from .identity import IdentityStage
+from .presence import PresenceStage
 from .writer_faults import WriterFaults, WriterFaultSettings
 
 HEARTBEAT_PART = 64  # containers per heartbeat message, to keep messages well under 1 MB
@@ -51,6 +52,7 @@ class Scanner:
         clock: Clock | None = None,
         after_ms: int | None = None,
         writer_faults: WriterFaultSettings | None = None,
+        presence: PresenceStage | None = None,
     ) -> None:
         self.discovery = Discovery(root, listing)
         self.writer_faults = WriterFaults(writer_faults)
@@ -58,6 +60,7 @@ class Scanner:
         self.host_proc = host_proc
         self.crosscheck = crosscheck
         self.identity = identity
+        self.presence = presence
         self.inc = secrets.randbits(31) if inc is None else inc
         self.clock = EventClock(clock, after_ms=after_ms)
         self.seq = 0
@@ -100,9 +103,17 @@ class Scanner:
 
         present: dict[tuple[str, int], FileState] = {}
         refused: list[Skipped] = []
+        presence = self.presence
+        if presence is not None:
+            presence.begin()
         for f in found:
             key = (f.path, f.ino)
             st = self._files.get(key)
+            if presence is not None:
+                cid = st.cid if st is not None and st.appeared else -1
+                if presence.is_stale(f.pod_uid, f.container, f.path, cid, self._ts,
+                                     self._stamp, events):  # fmt: skip
+                    continue  # not tracked: gone (ContainerGone below if it had appeared)
             if st is None:
                 st = FileState(self._next_cid, f.pod_uid, f.container, f.path)
                 self._next_cid += 1
@@ -111,6 +122,8 @@ class Scanner:
                 continue  # vanished or refused: gone (ContainerGone below if it had appeared)
             events += diff(st, snap, self._stamp, host_proc=self.host_proc)
             present[key] = st
+        if presence is not None:
+            presence.end()
         self._report_skipped(refused, skipped_now, events)
         self.writer_faults.keep(present)
         self._skipped = skipped_now

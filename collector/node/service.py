@@ -25,6 +25,7 @@ from .identity import IdentityStage
 from .metrics import Health, KubeHealth, MetricsServer, PodNames, Scrape
 from .nvml import NvmlSource
 from .podwatch import KubeSettings, PodWatch, open_api
+from .presence import PresenceStage
 from .scan import Scanner
 from .writer_faults import WriterFaultSettings
 
@@ -79,10 +80,11 @@ class Collector:
         self.settings = settings
         self.kube_api = kube_api
         self.podwatch: PodWatch | None = None
-        identity = None
+        identity = presence = None
         if kube_api is not None and settings.kube is not None:
             watch = self.podwatch = PodWatch(kube_api, settings.node, settings.kube)
             identity = IdentityStage(lambda: watch.view)
+            presence = PresenceStage(lambda: watch.view)
         crosscheck = None
         source = NvmlSource.open(log, timeout_s=settings.nvml_timeout_s) if settings.nvml else None
         if source is not None:
@@ -111,6 +113,7 @@ class Collector:
             listing=settings.listing,
             writer_faults=settings.writer_faults,
             identity=identity,
+            presence=presence,
             after_ms=last_event_ms(settings.log_dir, self.log.next_offset),
         )
         if self.scanner.clock.offset_ms < 0:
@@ -209,6 +212,7 @@ class Collector:
         st = watch.stats
         return KubeHealth(
             unnamed_containers=identity.unnamed,
+            stale_containers=self.scanner.presence.stale if self.scanner.presence else 0,
             connected=int(st.connected),
             watch_events=st.events,
             bookmarks=st.bookmarks,

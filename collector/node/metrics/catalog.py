@@ -158,6 +158,11 @@ OWN: tuple[Metric, ...] = (
         _get("unnamed_containers"),
     ),
     Metric(
+        "hami_usage_stale_containers", "gauge", "containers", "kube", (),
+        "cache folders whose container has terminated: not tracked, not billed",
+        _get("stale_containers"),
+    ),
+    Metric(
         "hami_usage_kube_connected", "gauge", "", "kube", (),
         "1 while the pod watch is connected to the API server", _get("connected"),
     ),

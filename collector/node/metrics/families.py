@@ -60,6 +60,7 @@ class KubeHealth:
     """The pod watch's state (collector/node/podwatch.py), and the names it gave."""
 
     unnamed_containers: int  # tracked containers whose pod is not known
+    stale_containers: int  # folders whose container terminated: not tracked, not billed
     connected: int  # 1 while the watch is connected
     watch_events: int
     bookmarks: int
