@@ -131,7 +131,7 @@ class WriterFaults:
         anomalies: list[Anomaly],
     ) -> None:
         n = min(max(snap.proc_num, 0), MAX_PROCS)
-        below = _below(fd, layout, procs, n)
+        below: dict[tuple[int, int], bytes] = {}
         seen: dict[int, bytes] = {}
         w.high = max(w.high, n)
         for k in range(n, min(max(n + BEYOND, w.high), n + REACH, MAX_PROCS)):
@@ -140,17 +140,27 @@ class WriterFaults:
                 continue  # past the end, or changing under us: look again next scan
             if raw.count(0) == len(raw):
                 continue
-            seen[k] = _owned(layout, raw)
+            seen[k] = mine = _owned(layout, raw)
+            prev = w.beyond.get(k)
+            if prev == mine and k not in w.orphans:
+                continue  # the usual case: a stale copy compaction left, unchanged
             proc, _ = parse_slot(layout, k, raw, snap.device_num)
             if proc.pid == 0 or proc.status == 0:
                 continue
             key = (proc.pid, proc.hostpid)
             # Only the process itself writes `used[]` and the seqlock (the watcher writes the
             # copy below too): its copy below proc_num is frozen there, or absent.
-            mine = _owned(layout, raw)
-            frozen = key not in below or below[key] == w.below.get(key)
-            written = w.beyond.get(k) not in (None, mine)
-            if not frozen or not (written or k in w.orphans):
+            copy_at = [p.slot for p in procs if (p.pid, p.hostpid) == key and p.slot < n]
+            if copy_at:
+                copy_raw = _pread(fd, layout.slot_offset(copy_at[0]), layout.slot_size)
+                below[key] = _owned(layout, copy_raw)
+            if layout.slot_seqlock is not None and key in below:
+                # The seqlock counts its process's updates: the copy it writes is ahead.
+                stale = _count(mine) > _count(below[key])
+            else:  # no seqlock: the copy below has not changed since the last scan
+                frozen = key not in below or below[key] == w.below.get(key)
+                stale = frozen and (prev not in (None, mine) or k in w.orphans)
+            if not stale:
                 w.orphans.discard(k)
                 continue  # a stale copy compaction left behind, or a slot moved under us
             w.orphans.add(k)
@@ -164,7 +174,7 @@ class WriterFaults:
             )
             anomalies.append(Anomaly("orphaned_slot", detail, slot=k, value=proc.pid))
         w.beyond = seen
-        w.below = below
+        w.below = {**w.below, **below}
         w.orphans &= seen.keys()
 
 
@@ -191,16 +201,9 @@ def _duplicates(
             anomalies.append(Anomaly("orphaned_slot", detail, slot=p.slot, value=pid))
 
 
-def _below(
-    fd: int, layout: Layout, procs: list[ProcSnapshot], n: int
-) -> dict[tuple[int, int], bytes]:
-    """What each live process below proc_num writes itself (see `_owned`), now."""
-    out: dict[tuple[int, int], bytes] = {}
-    for p in procs:
-        if p.pid != 0 and p.status != 0 and p.slot < n:
-            raw = _pread(fd, layout.slot_offset(p.slot), layout.slot_size)
-            out.setdefault((p.pid, p.hostpid), _owned(layout, raw))
-    return out
+def _count(owned: bytes) -> int:
+    """The seqlock count at the end of `_owned` bytes."""
+    return int.from_bytes(owned[-8:], "little")
 
 
 def _owned(layout: Layout, raw: bytes) -> bytes:
