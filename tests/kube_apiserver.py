@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import threading
 import time
 import uuid as uuidlib
@@ -570,3 +571,14 @@ class ApiServer:
         finally:
             self._streams.discard(resp)
         return resp
+
+
+def stop_collector(proc: Any, server: ApiServer, writers: list[Any]) -> tuple[int, str]:
+    """SIGTERM a `hami-usage collect` subprocess, close the stand-in and the cache writers; the
+    collector's exit status and stderr."""
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    server.close()
+    for w in writers:
+        w.close()
+    return int(proc.returncode), str(stderr)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import io
-import signal
 import socket
 import subprocess
 import time
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
-from kube_apiserver import ApiServer, make_pod
+from kube_apiserver import ApiServer, make_pod, stop_collector
 from prometheus_client.parser import text_string_to_metric_families
 from streams import HAMI_USAGE, env, final_report, hami, read_csv
 
@@ -137,12 +136,8 @@ def test_collector_names_every_record_through_outages_and_replay_agrees(tmp_path
         until(lambda: gauge(port, "hami_usage_unnamed_containers") == 0)
         time.sleep(1.5)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
-        srv.close()
-        for w in writers:
-            w.close()
-    assert proc.returncode == 0, stderr[-3000:]
+        rc, stderr = stop_collector(proc, srv, writers)
+    assert rc == 0, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     # One line per outage episode, not one per retry.
     assert stderr.count("retrying with back-off") == 2, stderr[-3000:]

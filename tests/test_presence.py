@@ -13,13 +13,12 @@ from __future__ import annotations
 import csv
 import io
 import json
-import signal
 import subprocess
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from kube_apiserver import ApiServer
+from kube_apiserver import ApiServer, stop_collector
 from streams import HAMI_USAGE, env, hami, read_csv
 
 from collector.aggregate.windows import Aggregator, WindowSettings
@@ -148,12 +147,8 @@ def test_through_the_pod_watch_a_finished_job_stops_being_billed(tmp_path: Path)
         srv.put_pod(done)
         time.sleep(4)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
-        srv.close()
-        for w in writers:
-            w.close()
-    assert proc.returncode == 0, stderr[-3000:]
+        rc, stderr = stop_collector(proc, srv, writers)
+    assert rc == 0, stderr[-3000:]
     events = [decode(r.value) for r in LogReader(log).read(0, 1_000_000)]
     (stale,) = [
         e for e in events if isinstance(e, LayoutAnomaly) and e.anomaly == "stale_container"
