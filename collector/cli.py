@@ -213,6 +213,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         interval_s=cfg.interval,
         heartbeat_s=cfg.heartbeat,
         host_proc=cfg.host_proc,
+        presence=cfg.presence,
         log_max_bytes=cfg.log_max_bytes,
         fsync=cfg.fsync,
         max_scans=cfg.max_scans,
@@ -448,6 +449,7 @@ COLLECT_FLAGS = [
     "interval",
     "heartbeat",
     "host_proc",
+    "presence",
     "linger_ms",
     "compression",
     "max_scans",
@@ -528,6 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-proc",
         metavar="DIR",
         help="the host's /proc (hostPID): report stale_process for slots whose host pid is gone",
+    )
+    p.add_argument(
+        "--presence",
+        metavar="{folder,processes}",
+        help="a container is present (its limits billed) while its folder exists, or while it "
+        "has a live process (default folder)",
     )
     p.add_argument("--linger-ms", type=int, help="Kafka producer linger (default 50)")
     p.add_argument("--compression", help="Kafka producer compression (default gzip)")

@@ -45,6 +45,9 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     interval: Annotated[float, Meta(gt=0, le=HOUR)] = 1.0
     heartbeat: Positive = 30.0
     host_proc: str | None = None  # e.g. /proc with hostPID, or /host/proc
+    # When a container counts as present (its limits billed): while its folder exists, or while
+    # it has a live process (README: Lifecycles, Presence).
+    presence: Literal["folder", "processes"] = "folder"
     linger_ms: Annotated[int, Meta(ge=0, le=60_000)] = 50
     compression: str = "gzip"
     max_scans: PositiveInt | None = None

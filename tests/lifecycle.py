@@ -22,6 +22,7 @@ from collector.aggregate.records import BillingRecord
 from collector.aggregate.windows import WindowSettings
 from collector.events import Event
 from collector.layout.declarations import MAGIC, V12, Layout
+from collector.node.diff import Presence
 from collector.node.scan import Scanner
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice
 
@@ -77,6 +78,27 @@ class Ctr:
         assert self.writer is not None
         return self.writer
 
+    def live(self) -> list[ProcKey]:
+        """The processes really running: live slots, less the SIGKILLed."""
+        w = self.writer
+        if w is None or w.region.initialized_flag != MAGIC:
+            return []
+        n = w.region.proc_num if self.real_count is None else self.real_count
+        slots = [w.region.procs[k] for k in range(n)]
+        keys = [(s.pid, s.hostpid) for s in slots if s.pid != 0 and s.status != 0]
+        return [k for k in keys if k not in self.dead]
+
+    def running(self) -> bool:
+        return bool(self.live())
+
+    def limits(self) -> dict[str, int]:
+        """device uuid -> memory limit, for the devices the file's table lists."""
+        w = self.writer
+        if w is None or w.region.initialized_flag != MAGIC:
+            return {}
+        r = w.region
+        return {r.uuids[d].value.decode(): r.limit[d] for d in range(r.device_num)}
+
     def billable(self) -> dict[str, int]:
         """device uuid -> bytes the file bills now."""
         w = self.writer
@@ -99,8 +121,11 @@ class Ctr:
 class Lab:
     """One node: containers, an optional fake host /proc, a scanner, the truth."""
 
-    def __init__(self, tmp: Path, name: str, *, host_proc: bool = False) -> None:
+    def __init__(
+        self, tmp: Path, name: str, *, host_proc: bool = False, presence: Presence = "folder"
+    ) -> None:
         self.name = name
+        self.presence: Presence = presence
         self.root = tmp / name / "containers"
         self.root.mkdir(parents=True)
         self.proc = tmp / name / "proc" if host_proc else None
@@ -111,6 +136,7 @@ class Lab:
         self.scanner = self._scanner()
         self.ctrs: dict[str, Ctr] = {}
         self.truth: dict[TruthKey, int] = {}  # byte-milliseconds
+        self.limit_truth: dict[TruthKey, int] = {}  # limit byte-milliseconds while present
         self.events: list[Event] = []
         self.s = 0
 
@@ -122,6 +148,7 @@ class Lab:
             clock=self.clock,
             host_proc=None if self.proc is None else str(self.proc),
             after_ms=after_ms,
+            presence_policy=self.presence,
         )
 
     # --- what containers do ----------------------------------------------------------------
@@ -203,15 +230,21 @@ class Lab:
             for uuid, nbytes in values.items():
                 key = (c.pod, c.name, uuid, window)
                 self.truth[key] = self.truth.get(key, 0) + nbytes * 1000
+            if self.presence == "folder" or c.running():
+                for uuid, limit in c.limits().items():
+                    key = (c.pod, c.name, uuid, window)
+                    self.limit_truth[key] = self.limit_truth.get(key, 0) + limit * 1000
 
 
-def billed(records: list[BillingRecord], node: str) -> dict[TruthKey, int]:
+def billed(
+    records: list[BillingRecord], node: str, field: str = "memory_byte_seconds"
+) -> dict[TruthKey, int]:
     out: dict[TruthKey, int] = {}
     for r in records:
         if r.node != node or not r.pod_uid:
             continue
         key = (r.pod_uid, r.container, r.device_uuid, r.window_start_ms)
-        out[key] = out.get(key, 0) + round(r.memory_byte_seconds * 1000)
+        out[key] = out.get(key, 0) + round(getattr(r, field) * 1000)
     return {k: v for k, v in out.items() if v}
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ..events import (
     ContainerAppeared,
+    ContainerGone,
     ContainerState,
     DeviceLimit,
     Event,
@@ -153,10 +154,22 @@ def end_all(st: FileState, stamp: Stamp, events: list[Event]) -> None:
     st.vouched.clear()
 
 
+Presence = Literal["folder", "processes"]
+
+
 def diff(
-    st: FileState, snap: Snapshot, stamp: Stamp, *, host_proc: str | None = None
+    st: FileState,
+    snap: Snapshot,
+    stamp: Stamp,
+    *,
+    host_proc: str | None = None,
+    policy: Presence = "folder",
 ) -> list[Event]:
-    """Events that take the world from `st` to `snap`; updates `st` in place."""
+    """Events that take the world from `st` to `snap`; updates `st` in place.
+
+    `policy` (the `presence` setting): "folder" announces a container as long as its file is
+    there; "processes" only while its file has a live process (`ContainerGone` when the last one
+    ends, `ContainerAppeared` again with the next), so its limits are billed only then."""
     events: list[Event] = []
     if st.appeared and snap.layout is None and st.layout:
         _report_anomalies(st, list(snap.anomalies), stamp, events)
@@ -165,6 +178,8 @@ def diff(
             # device table stays until the new run writes one.
             st.unobserved = False
             end_all(st, stamp, events)
+            if policy == "processes":
+                vanish(st, stamp, events)
             return events
         # Unreadable or garbage now: say so, but a transient open error or a scribble must not
         # look like every process exiting.
@@ -172,35 +187,11 @@ def diff(
         return events
     st.unobserved = False
     st.last_kernel_time = snap.last_kernel_time
-    devices = [DeviceLimit(d.index, d.uuid, d.limit_bytes, d.sm_limit) for d in snap.devices]
-    layout = snap.layout or ""
-    restate = st.restate
-    if not st.appeared:
-        st.appeared = True
-        st.layout, st.devices = layout, devices
-        events.append(
-            stamp(
-                ContainerAppeared,
-                cid=st.cid,
-                pod_uid=st.pod_uid,
-                container=st.container,
-                path=st.path,
-                layout=layout,
-                devices=devices,
-            )
-        )
-    elif devices != st.devices or layout != st.layout:
-        st.layout, st.devices = layout, devices
-        events.append(stamp(LimitsChanged, cid=st.cid, devices=devices))
-        restate = True
 
     anomalies = list(snap.anomalies)
     procs = live_procs(snap)
     if host_proc is not None:
         drop_dead_hosts(st, procs, host_proc, anomalies)
-
-    _report_anomalies(st, anomalies, stamp, events)
-
     # A slot left out as torn_read is still there: the process last seen in it has not exited
     # (nor lost its rows), while every other process's exit goes out as usual. A garbled
     # proc_num shows the slots up to the first empty one, and maybe stale ones beyond the real
@@ -210,6 +201,11 @@ def diff(
     if garbled:
         procs = {pk: rows for pk, rows in procs.items() if pk in st.procs}
     partial = torn or garbled
+
+    announce = policy == "folder" or bool(procs) or bool(st.procs)
+    restate = _identity(st, snap, stamp, events, announce=announce) or st.restate
+    _report_anomalies(st, anomalies, stamp, events)
+
     held = set(st.procs) if garbled else _held(st, snap)
     gone = st.procs - procs.keys() - held
     for pk in sorted(gone):
@@ -223,7 +219,47 @@ def diff(
     st.slots = {pk: slots.get(pk, st.slots.get(pk, -1)) for pk in st.procs}
     _sample(st, procs, restate and not partial, held, stamp, events)
     st.restate = partial
+    if policy == "processes" and st.appeared and not st.procs:
+        vanish(st, stamp, events)
     return events
+
+
+def _identity(
+    st: FileState, snap: Snapshot, stamp: Stamp, events: list[Event], *, announce: bool
+) -> bool:
+    """Announce the container (when `announce`), or state a changed device table; True when
+    the table changed (every row is restated with a new one). An unannounced container keeps
+    its table quietly: its announcement carries the table of that moment."""
+    devices = [DeviceLimit(d.index, d.uuid, d.limit_bytes, d.sm_limit) for d in snap.devices]
+    layout = snap.layout or ""
+    changed = devices != st.devices or layout != st.layout
+    st.layout, st.devices = layout, devices
+    if st.appeared:
+        if changed:
+            events.append(stamp(LimitsChanged, cid=st.cid, devices=devices))
+        return changed
+    if announce:
+        st.appeared = True
+        events.append(
+            stamp(
+                ContainerAppeared,
+                cid=st.cid,
+                pod_uid=st.pod_uid,
+                container=st.container,
+                path=st.path,
+                layout=layout,
+                devices=devices,
+            )
+        )
+    return False
+
+
+def vanish(st: FileState, stamp: Stamp, events: list[Event]) -> None:
+    """presence = processes: the file has no live process left, so the container is not
+    present (its next process announces it again)."""
+    events.append(stamp(ContainerGone, cid=st.cid))
+    st.appeared = False
+    st.rows.clear()
 
 
 def _sample(

@@ -18,7 +18,7 @@ from ..layout.reader import snapshot_fd
 from ..layout.snapshot import Anomaly, Snapshot, empty_snapshot
 from .clock import Clock, EventClock, Step
 from .crosscheck import CrossCheck
-from .diff import FileState, diff
+from .diff import FileState, Presence, diff
 from .discover import CacheFile, Discovery, ListingLimits, Skipped
 from .identity import IdentityStage
 from .presence import PresenceStage
@@ -53,11 +53,13 @@ class Scanner:
         after_ms: int | None = None,
         writer_faults: WriterFaultSettings | None = None,
         presence: PresenceStage | None = None,
+        presence_policy: Presence = "folder",
     ) -> None:
         self.discovery = Discovery(root, listing)
         self.writer_faults = WriterFaults(writer_faults)
         self.heartbeat_ms = int(heartbeat_s * 1000)
         self.host_proc = host_proc
+        self.presence_policy: Presence = presence_policy
         self.crosscheck = crosscheck
         self.identity = identity
         self.presence = presence
@@ -120,7 +122,9 @@ class Scanner:
             snap = self._read(f, refused)
             if snap is None:
                 continue  # vanished or refused: gone (ContainerGone below if it had appeared)
-            events += diff(st, snap, self._stamp, host_proc=self.host_proc)
+            events += diff(
+                st, snap, self._stamp, host_proc=self.host_proc, policy=self.presence_policy
+            )
             present[key] = st
         if presence is not None:
             presence.end()

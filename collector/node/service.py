@@ -20,6 +20,7 @@ from ..events import Event, encode
 from ..transport.kafka import KafkaForwarder, ProducerSettings
 from ..transport.locallog import LocalLog, LogReader
 from .crosscheck import CrossCheck, DriftTolerance
+from .diff import Presence
 from .discover import ListingLimits
 from .identity import IdentityStage
 from .metrics import Health, KubeHealth, MetricsServer, PodNames, Scrape
@@ -41,6 +42,7 @@ class CollectSettings:
     interval_s: float = 1.0
     heartbeat_s: float = 30.0
     host_proc: str | None = None
+    presence: Presence = "folder"  # see diff.py and the README (Lifecycles, Presence)
     log_max_bytes: int = 256 * 1024 * 1024
     fsync: bool = False
     shutdown_timeout_s: float = 10.0
@@ -115,6 +117,7 @@ class Collector:
             identity=identity,
             presence=presence,
             after_ms=last_event_ms(settings.log_dir, self.log.next_offset),
+            presence_policy=settings.presence,
         )
         if self.scanner.clock.offset_ms < 0:
             log.warning(
