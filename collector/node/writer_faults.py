@@ -134,11 +134,20 @@ class WriterFaults:
         below: dict[tuple[int, int], bytes] = {}
         seen: dict[int, bytes] = {}
         w.high = max(w.high, n)
-        for k in range(n, min(max(n + BEYOND, w.high), n + REACH, MAX_PROCS)):
-            raw = _pread(fd, layout.slot_offset(k), layout.slot_size)
-            if len(raw) < layout.slot_size or raw != _pread(fd, layout.slot_offset(k), len(raw)):
-                continue  # past the end, or changing under us: look again next scan
-            if raw.count(0) == len(raw):
+        end = min(max(n + BEYOND, w.high), n + REACH, MAX_PROCS)
+        size = layout.slot_size
+        # One read of the range, and a second to tell a slot being written from a steady one.
+        first = _pread(fd, layout.slot_offset(n), (end - n) * size)
+        if first.count(0) == len(first):
+            w.beyond, w.orphans = {}, set()
+            return  # nothing ever written past proc_num: the usual case
+        second = _pread(fd, layout.slot_offset(n), len(first))
+        for k in range(n, n + len(first) // size):
+            lo = (k - n) * size
+            raw = first[lo : lo + size]
+            if raw != second[lo : lo + size]:
+                continue  # changing under us: look again next scan
+            if raw.count(0) == size:
                 continue
             seen[k] = mine = _owned(layout, raw)
             prev = w.beyond.get(k)
@@ -182,6 +191,9 @@ def _duplicates(
     fd: int, layout: Layout, procs: list[ProcSnapshot], anomalies: list[Anomaly]
 ) -> None:
     """Two live slots with one (pid, hostpid): keep the one its writer updates."""
+    live = [(p.pid, p.hostpid) for p in procs if p.pid != 0 and p.status != 0]
+    if len(set(live)) == len(live):
+        return  # the usual case
     groups: dict[tuple[int, int], list[ProcSnapshot]] = {}
     for p in procs:
         if p.pid != 0 and p.status != 0:
