@@ -190,6 +190,15 @@ class PodIdentity(_Base, tag=11, frozen=True):
     identity: Identity
 
 
+class CollectorStarted(_Base, tag=12, frozen=True):
+    """The first event of each collector incarnation: who it is, so that two collectors sending
+    under one node name can be told apart and named (the aggregator bills only the newest)."""
+
+    host: str  # the host name the collector runs on
+    pid: int
+    log: str  # its local log (spool) directory
+
+
 Event = (
     ContainerAppeared
     | ContainerGone
@@ -202,6 +211,7 @@ Event = (
     | DeviceInventory
     | NodeDeviceSample
     | PodIdentity
+    | CollectorStarted
 )
 EVENT_TYPES: tuple[type[Any], ...] = (
     ContainerAppeared,
@@ -215,6 +225,7 @@ EVENT_TYPES: tuple[type[Any], ...] = (
     DeviceInventory,
     NodeDeviceSample,
     PodIdentity,
+    CollectorStarted,
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -22,6 +22,7 @@ import pytest
 
 from collector.events import (
     SCHEMA_VERSION,
+    CollectorStarted,
     ContainerAppeared,
     ContainerGone,
     Event,
@@ -324,6 +325,9 @@ def test_sigkill_mid_run_then_restart_on_the_same_log(
     runs = check_incarnations([decode(r.value) for r in after])
     assert len(runs) == 2
     assert runs[0] == killed_run[:-1]
-    assert isinstance(runs[1][0], ContainerAppeared)
+    # The incarnation announces itself first, then re-announces every container.
+    assert isinstance(runs[1][0], CollectorStarted)
+    assert runs[1][0].log == str(log) and runs[1][0].pid > 0
+    assert isinstance(runs[1][1], ContainerAppeared)
     assert len({e.cid for e in runs[1] if isinstance(e, ContainerAppeared)}) == 64
     fold(runs[1])

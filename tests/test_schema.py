@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from collector.events import (
     EVENT_TYPES,
     SCHEMA_VERSION,
+    CollectorStarted,
     ContainerAppeared,
     ContainerGone,
     ContainerState,
@@ -94,6 +95,7 @@ def sample_events() -> list[Event]:
                   containers=[ContainerState(0, "p", "c", "v1.2", [dev], [r])], scan_ms=1.5,
                   pods=[ident]),
         PodIdentity(**base, identity=ident),
+        CollectorStarted(**base, host="node-1", pid=4242, log="/var/lib/hami-usage/events"),
     ]  # fmt: skip
 
 
@@ -170,7 +172,7 @@ def test_trailing_fields_of_a_newer_minor_evolution_are_ignored(event: Event) ->
 
 
 def test_older_message_without_defaulted_trailing_fields_decodes_with_defaults() -> None:
-    hb = sample_events()[-2]
+    hb = next(e for e in sample_events() if isinstance(e, Heartbeat))
     assert isinstance(hb, Heartbeat)
     raw = msgspec.msgpack.decode(encode(hb))
     assert len(raw) == 1 + len(msgspec.structs.fields(Heartbeat))

@@ -46,11 +46,24 @@ COMMIT_INTERVAL_S = 5.0
 
 
 class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Commit metadata: end of the last emitted window and file-output lengths at that point."""
+    """Commit metadata: end of the last emitted window and file-output lengths at that point:
+    the committing replica's in `csv_bytes`/`jsonl_bytes`, every replica's (by `instance`) in
+    `replicas` as [csv_bytes, jsonl_bytes] (see `replicas`). A checkpoint without `replicas`
+    was written before there were per-replica lengths: its lengths are the one replica's."""
 
     emitted_until_ms: int = 0
     csv_bytes: int = 0
     jsonl_bytes: int = 0
+    replicas: dict[str, list[int]] = {}
+
+    def lengths_of(self, instance: str) -> tuple[int, int] | None:
+        """The committed file lengths of replica `instance`; None if it never committed."""
+        if not self.replicas:
+            return self.csv_bytes, self.jsonl_bytes
+        mine = self.replicas.get(instance)
+        if mine is None or len(mine) != 2:
+            return None
+        return mine[0], mine[1]
 
 
 def parse_checkpoint(text: str | None, where: str = "checkpoint") -> Checkpoint:
@@ -74,6 +87,36 @@ class InputStats:
     damage: DamageReport = field(default_factory=DamageReport)
 
 
+def _longest(a: list[int] | None, b: list[int]) -> list[int]:
+    return b if a is None else [max(x, y) for x, y in zip(a, b, strict=False)]
+
+
+def merge_checkpoints(checkpoints: Iterable[Checkpoint]) -> Checkpoint | None:
+    """One view of the checkpoints of several partitions: per replica the longest committed
+    lengths (a replica's files only grow between the cuts back to its own committed length,
+    so the longest is its last commit), the latest emitted window. None if there are none.
+
+    File outputs with several replicas: each replica writes its own files and every commit
+    carries every replica's lengths as last seen, so a replica that restarts, or gets
+    partitions another replica committed, cuts its files back to its own last commit - never
+    to another replica's length."""
+    merged: Checkpoint | None = None
+    for cp in checkpoints:
+        if merged is None:
+            merged = cp
+            continue
+        replicas = dict(merged.replicas)
+        for instance, lengths in cp.replicas.items():
+            replicas[instance] = _longest(replicas.get(instance), lengths)
+        merged = Checkpoint(
+            max(merged.emitted_until_ms, cp.emitted_until_ms),
+            max(merged.csv_bytes, cp.csv_bytes),
+            max(merged.jsonl_bytes, cp.jsonl_bytes),
+            replicas,
+        )
+    return merged
+
+
 @dataclass
 class Outputs:
     """Where closed windows go besides the billing topic: files and OTLP."""
@@ -82,23 +125,51 @@ class Outputs:
     jsonl: JsonlSink | None = None
     otlp: OtlpExporter | None = None  # imported only when used: opentelemetry is slow to load
     written: int = 0
+    instance: str = "0"
+    # every replica's committed lengths, as last seen; this replica's are updated at commits
+    replicas: dict[str, list[int]] = field(default_factory=dict)
+    first_start: bool = False  # this replica never committed its lengths: commit them at once
 
     @classmethod
     def open(
-        cls, csv: str | None, jsonl: str | None, otlp: str | None, resume: Checkpoint | None
+        cls,
+        csv: str | None,
+        jsonl: str | None,
+        otlp: str | None,
+        resume: Checkpoint | None,
+        instance: str = "0",
     ) -> Outputs:
-        """resume: the last committed checkpoint; files are cut back to its lengths. None (no
-        checkpoint yet): files are appended to as they are."""
-        out = cls()
-        if csv:
-            out.csv = CsvSink(Path(csv), resume_at=resume.csv_bytes if resume else None)
-        if jsonl:
-            out.jsonl = JsonlSink(Path(jsonl), resume_at=resume.jsonl_bytes if resume else None)
+        """resume: the last committed checkpoint; files are cut back to this replica's lengths
+        in it. None (no checkpoint yet), or none of this replica's in it: files are appended
+        to as they are."""
+        out = cls(instance=instance)
+        out.open_files(csv, jsonl, resume)
         if otlp:
             from .otlp import OtlpExporter
 
             out.otlp = OtlpExporter(otlp)
         return out
+
+    def open_files(self, csv: str | None, jsonl: str | None, resume: Checkpoint | None) -> None:
+        lengths = resume.lengths_of(self.instance) if resume is not None else None
+        self.replicas = dict(resume.replicas) if resume is not None else {}
+        self.first_start = lengths is None
+        if csv:
+            self.csv = CsvSink(Path(csv), resume_at=lengths[0] if lengths else None)
+        if jsonl:
+            self.jsonl = JsonlSink(Path(jsonl), resume_at=lengths[1] if lengths else None)
+
+    def learn(self, checkpoint: Checkpoint) -> None:
+        """Carry the other replicas' committed lengths forward (see `merge_checkpoints`)."""
+        for instance, lengths in checkpoint.replicas.items():
+            if instance != self.instance:
+                self.replicas[instance] = _longest(self.replicas.get(instance), lengths)
+
+    def close_files(self) -> None:
+        for sink in (self.csv, self.jsonl):
+            if sink is not None:
+                sink.close()
+        self.csv = self.jsonl = None
 
     def write(self, records: list[BillingRecord]) -> None:
         for sink in (self.csv, self.jsonl):
@@ -118,16 +189,12 @@ class Outputs:
         self.otlp.flush()
 
     def checkpoint(self, emitted_until_ms: int) -> Checkpoint:
-        return Checkpoint(
-            emitted_until_ms,
-            self.csv.tell() if self.csv else 0,
-            self.jsonl.tell() if self.jsonl else 0,
-        )
+        mine = [self.csv.tell() if self.csv else 0, self.jsonl.tell() if self.jsonl else 0]
+        self.replicas[self.instance] = mine
+        return Checkpoint(emitted_until_ms, mine[0], mine[1], dict(self.replicas))
 
     def close(self) -> None:
-        for sink in (self.csv, self.jsonl):
-            if sink is not None:
-                sink.close()
+        self.close_files()
         if self.otlp is not None:
             self.otlp.shutdown()
 
@@ -176,17 +243,21 @@ def add_record(
 
 
 class DamageWatch:
-    """Logs the damage summary whenever it grows (a live service never exits to say it)."""
+    """Logs the damage summary whenever it grows (a live service never exits to say it), and
+    each node-name conflict the aggregators find."""
 
     def __init__(self, damage: DamageReport) -> None:
         self.damage = damage
         self._said = damage.counts()
 
-    def check(self) -> None:
+    def check(self, aggregators: Iterable[Aggregator]) -> None:
         counts = self.damage.counts()
         if counts != self._said:
             self._said = counts
             log.warning("input damaged: %s", self.damage.line())
+        for agg in aggregators:
+            for conflict in agg.conflicts():
+                log.warning("%s", conflict.line())
 
 
 def _sorted(records: Iterable[BillingRecord]) -> list[BillingRecord]:
@@ -255,9 +326,13 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     watch = DamageWatch(damage)
     agg = Aggregator(settings.window, emitted_until_ms=resume.emitted_until_ms)
     outputs = Outputs.open(
-        settings.csv, settings.jsonl, settings.otlp, resume if committed else None
+        settings.csv,
+        settings.jsonl,
+        settings.otlp,
+        resume if committed else None,
+        settings.instance,
     )
-    if committed is None:
+    if outputs.first_start:
         # First start of this group: commit where the files stand now, so a crash before the
         # first window closes cuts back to here rather than appending twice.
         meta = msgspec.json.encode(outputs.checkpoint(0)).decode()
@@ -285,8 +360,8 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 damage.torn_tail_bytes = await settled_tail(reader)
                 if reader.end_offset() > position:
                     continue  # the tail was a record being written after all
-            watch.check()
             records = agg.flush() if done else agg.advance()
+            watch.check([agg])
             if records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S:
                 outputs.write(records)
                 needed = agg.needed_offsets().get(0, position)
@@ -321,7 +396,6 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     assert settings.kafka is not None
     aggs: dict[TopicPartition, Aggregator] = {}
     positions: dict[TopicPartition, int] = {}
-    resume_meta: list[Checkpoint] = []
     # The rebalance listener runs in aiokafka's task, which only logs what it raises.
     failed: list[CheckpointError] = []
     watch = DamageWatch(settings.stats.damage)
@@ -369,8 +443,8 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 except CheckpointError as exc:
                     failed.append(exc)
                     return
-                if om is not None and om.metadata:
-                    resume_meta.append(meta)
+                if om is not None and om.metadata and outputs is not None:
+                    outputs.learn(meta)
                 start = om.offset if om is not None and om.offset >= 0 else begins[tp]
                 consumer.seek(tp, start)
                 positions[tp] = start
@@ -410,15 +484,20 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             await asyncio.sleep(0.05)
         if failed:
             raise failed[0]
-        outputs = Outputs.open(
-            settings.csv,
-            settings.jsonl,
-            settings.otlp,
-            max(resume_meta, key=lambda m: m.csv_bytes + m.jsonl_bytes, default=None),
+        # Every partition's checkpoint, not only this assignment's: this replica's own file
+        # lengths are in the last commit it made, whichever partitions that covered.
+        everything = merge_checkpoints(
+            parse_checkpoint(om.metadata, f"checkpoint of group {settings.group}")
+            for om in (await committed_offsets(admin, settings.group, None)).values()
+            if om.metadata
         )
-        if not resume_meta:
-            # First start of this group: commit where the files stand now, so a crash before
-            # the first window closes cuts back to here rather than appending twice.
+        outputs = Outputs.open(
+            settings.csv, settings.jsonl, settings.otlp, everything, settings.instance
+        )
+        if outputs.first_start:
+            # This replica's (or the group's) first start: commit where its files stand now,
+            # so a crash before the first window closes cuts back to here rather than
+            # appending twice.
             await publish(outputs, [])
         ends = await consumer.end_offsets(list(aggs)) if settings.drain else {}
         last_commit = time.monotonic()
@@ -442,12 +521,13 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 positions[tp] = msgs[-1].offset + 1
             if failed:
                 raise failed[0]
-            watch.check()
             done = settings.drain and await _caught_up(consumer, ends)
             records = _sorted(
                 r for agg in aggs.values() for r in (agg.flush() if done else agg.advance())
             )
-            if records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S:
+            watch.check(aggs.values())
+            due = records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S
+            if due and aggs:  # a replica with nothing assigned has nothing to commit
                 await publish(outputs, records)
                 await asyncio.to_thread(outputs.export, records, list(aggs.values()))
                 last_commit = time.monotonic()
@@ -467,8 +547,9 @@ class CheckpointUnavailable(Exception):
     """The group coordinator would not say where this group stands."""
 
 
-async def committed_offsets(admin: Any, group: str, tps: list[Any]) -> dict[Any, Any]:
-    """Committed offsets and metadata of `tps`; a partition never committed has offset -1.
+async def committed_offsets(admin: Any, group: str, tps: list[Any] | None) -> dict[Any, Any]:
+    """Committed offsets and metadata of `tps` (None: of every partition the group committed);
+    a partition never committed has offset -1.
 
     Right after a broker restart the coordinator answers with no partitions at all while it
     loads its offsets (aiokafka returns {} then). Starting from the beginning at that moment
@@ -481,7 +562,7 @@ async def committed_offsets(admin: Any, group: str, tps: list[Any]) -> dict[Any,
     ):
         with attempt:
             found = await admin.list_consumer_group_offsets(group, partitions=tps)
-            if any(tp not in found for tp in tps):
+            if tps is not None and any(tp not in found for tp in tps):
                 raise CheckpointUnavailable(f"no committed offsets for group {group} yet")
     return dict(found)
 

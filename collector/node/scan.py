@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..events import SCHEMA_VERSION, ContainerGone, ContainerState, Event, Heartbeat, LayoutAnomaly
+from ..events import (
+    SCHEMA_VERSION,
+    CollectorStarted,
+    ContainerGone,
+    ContainerState,
+    Event,
+    Heartbeat,
+    LayoutAnomaly,
+)
 from ..layout.reader import snapshot_fd
 from ..layout.snapshot import Anomaly, Snapshot, empty_snapshot
 from .clock import Clock, EventClock, Step
@@ -77,6 +85,12 @@ class Scanner:
     def _stamp(self, cls: type[Any], **fields: Any) -> Any:
         event = cls(v=SCHEMA_VERSION, inc=self.inc, seq=self.seq, ts=self._ts, **fields)
         self.seq += 1
+        return event
+
+    def announce(self, host: str, log: str, now_ms: int | None = None) -> Event:
+        """The incarnation's first event, `CollectorStarted` (seq 0 when called first)."""
+        self._ts = int(time.time() * 1000) if now_ms is None else now_ms
+        event: Event = self._stamp(CollectorStarted, host=host, pid=os.getpid(), log=log)
         return event
 
     def heartbeat_now(self) -> None:

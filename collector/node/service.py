@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,6 +255,7 @@ class Collector:
             )
         scans = 0
         try:
+            self._append([self.scanner.announce(socket.gethostname(), str(self.settings.log_dir))])
             next_at = time.monotonic()
             while not self.stopping.is_set():
                 events = await asyncio.to_thread(

@@ -12,6 +12,7 @@ offsets and gauges. Each concept lives in its own module of this package; this o
 from __future__ import annotations
 
 from ...events import (
+    CollectorStarted,
     ContainerAppeared,
     ContainerGone,
     DeviceInventory,
@@ -33,6 +34,7 @@ from .incarnations import Incarnations
 from .integrate import Integrator
 from .inventory import Inventory
 from .late import count_late
+from .nodeguard import NodeConflict, NodeGuard
 from .output import Output
 from .progress import Progress
 from .settings import NEVER, RETAIN_GAPS, WindowSettings
@@ -55,6 +57,7 @@ class Aggregator:
         self._closed: int | None = None
         self._tracks: dict[tuple[str, int, int], Track] = {}
         self._incs = Incarnations()
+        self._guard = NodeGuard(self._incs, self.stats)
         self._progress = Progress(settings.max_skew_ms)
         self._arrival = 0
         # A pod's identity outlives its last restatement as long as a container's name does.
@@ -102,6 +105,8 @@ class Aggregator:
         if not self._incs.admit(node, inc, seq, ts):
             stats.duplicates += 1
             return
+        if self._guard.overlaps(node, inc, ts):
+            return
         progress.event(source, ts)
         closed = self._closed
         eff = ts if closed is None or ts >= closed else closed
@@ -134,6 +139,8 @@ class Aggregator:
             self._identities.learn(node, event.identity, ts, seq, source, offset)
         elif isinstance(event, DeviceInventory):
             self._inv.state(node, event)
+        elif isinstance(event, CollectorStarted):
+            self._guard.announce(node, event)
         # LayoutAnomaly: counted above, nothing to integrate.
         if eff != ts:
             assert closed is not None
@@ -146,6 +153,10 @@ class Aggregator:
             tr = Track(node, inc, cid, source, -NEVER if closed is None else closed)
             self._tracks[(node, inc, cid)] = tr
         return tr
+
+    def conflicts(self) -> list[NodeConflict]:
+        """Node-name conflicts found since the last call (see `nodeguard`)."""
+        return self._guard.take()
 
     # --- closing windows -----------------------------------------------------------------
 
@@ -189,6 +200,14 @@ class Aggregator:
         if cut >= target or (tr.cut is not None and tr.cut <= cut):
             return
         tr.cut = cut
+        # Events of this incarnation from after the newer one started arrived before it did:
+        # two collectors under one node name (nodeguard). Only the newest is billed.
+        kept = [e for e in tr.pending if e[1] < cut]
+        if len(kept) < len(tr.pending):
+            newer = self._incs.successor(tr.node, tr.inc)[1]
+            assert newer is not None
+            self._guard.overlapped(tr.node, tr.inc, newer, cut, len(tr.pending) - len(kept))
+            tr.pending = kept
         closed = self._closed
         eff = cut if closed is None or cut >= closed else closed
         self._arrival += 1

@@ -86,17 +86,22 @@ class Incarnations:
 
     def cut(self, node: str, inc: int) -> int:
         """The first event time of the earliest newer incarnation of `node` (NEVER if none)."""
+        return self.successor(node, inc)[0]
+
+    def successor(self, node: str, inc: int) -> tuple[int, int | None]:
+        """(first event time, inc) of the earliest newer incarnation of `node`, or
+        (NEVER, None)."""
         incs = self._by_node.get(node)
         if incs is None or len(incs) < 2:
-            return NEVER
+            return NEVER, None
         mine = incs.get(inc)
         if mine is None:
-            return NEVER
-        cut = NEVER
-        for other in incs.values():
+            return NEVER, None
+        cut, newer = NEVER, None
+        for other_inc, other in incs.items():
             if mine.first_ts < other.first_ts < cut:
-                cut = other.first_ts
-        return cut
+                cut, newer = other.first_ts, other_inc
+        return cut, newer
 
     def prune(self, live: set[tuple[str, int]], horizon: int) -> None:
         """Forget the older incarnations with no containers (`live` has those that have one)

@@ -19,3 +19,5 @@ class AggregateStats(msgspec.Struct):
     unnamed_records: int = 0  # container records without a pod identity (namespace empty)
     overcommitted: int = 0  # GPU-windows whose shares were scaled down to the observed time
     allocation_fallbacks: int = 0  # GPU-windows of the memory or max policy without inventory
+    node_conflicts: int = 0  # pairs of collectors live at once under one node name
+    overlapping_events: int = 0  # events of the older of such a pair, not billed
