@@ -3,7 +3,8 @@
 The pipeline runs as in production - the simulator writes cache files the way HAMi-core does,
 real collectors scan them into a real local log (or the real broker), `hami-usage aggregate
 --drain` bills - while a fault is injected: the disk fills and frees, the log is damaged, two
-collectors send under one node name. Every run ends one of two ways: exit 0 with a bill equal
+collectors send under one node name, the real HAMi-core writer's failure modes (`simulate
+--faults`). Every run ends one of two ways: exit 0 with a bill equal
 to the ground truth within one collection interval per change, or a non-zero exit whose summary
 line names the damage. Two aggregator replicas killed in turn: tests/test_file_replicas.py.
 """
@@ -25,6 +26,7 @@ from streams import create_topic, hami
 from collector.aggregate.damage import EXIT_DAMAGED
 from collector.node.service import Collector, CollectSettings
 from collector.simulate import GroundTruth, NodeSimulator
+from collector.simulate_faults import FAULTS, FaultyNode
 from collector.transport.kafka import ProducerSettings
 from collector.transport.locallog import LocalLog, LogReader
 
@@ -57,10 +59,16 @@ async def run_pipeline(
     collectors: list[tuple[float, Collector]],
     seconds: float,
     faults: dict[float, object] | None = None,
+    writer_faults: frozenset[str] = frozenset(),
 ) -> GroundTruth:
-    """Step the simulator for `seconds`, starting each collector at its offset and firing each
-    fault (a callable) at its offset; then the pods end and the collectors stop."""
-    sim = NodeSimulator(root, 4, "mixed", seed=13)
+    """Step the simulator for `seconds` (with the real writer's `writer_faults`), starting each
+    collector at its offset and firing each fault (a callable) at its offset; then the pods
+    end and the collectors stop."""
+    sim: NodeSimulator = (
+        FaultyNode(root, 4, "v1.2", faults=writer_faults, seed=13)
+        if writer_faults
+        else NodeSimulator(root, 4, "mixed", seed=13)
+    )
     truth = GroundTruth()
     tasks: list[asyncio.Task[None]] = []
     pending = sorted((faults or {}).items(), key=lambda kv: kv[0])
@@ -210,6 +218,22 @@ def test_damaged_log_against_the_ground_truth(tmp_path: Path) -> None:
         found = exact_or_named(rc, err, truth, tmp_path / f"{how}.csv")
         assert rc == EXIT_DAMAGED, (how, err[-2000:])
         assert any(found.values()), how
+
+
+@pytest.mark.xfail(
+    reason="found by this suite, not fixed here: with the real writer's faults injected the "
+    "bill of a container can differ from the ground truth with exit 0 (see the README)",
+    strict=False,
+)
+def test_the_real_writers_failure_modes(tmp_path: Path) -> None:
+    root = tmp_path / "containers"
+    root.mkdir()
+    collector = Collector(settings(root, tmp_path / "events"))
+    truth = asyncio.run(
+        run_pipeline(root, [(0.0, collector)], 8.0, writer_faults=frozenset(FAULTS))
+    )
+    rc, err = aggregate_log(tmp_path / "events", tmp_path / "bill.csv")
+    exact_or_named(rc, err, truth, tmp_path / "bill.csv")
 
 
 @pytest.mark.kafka
