@@ -760,7 +760,9 @@ def test_newer_incarnation_ends_the_older_nodes_keys() -> None:
     w1 = records[1]
     assert w1.memory_byte_seconds == 40 * 50  # new one capped at 110 s
     assert w1.observed_seconds == 50.0
-    assert agg.stats.unattributed_rows == 1
+    # The old one still sending after the new one started: two collectors, one node name.
+    assert (agg.stats.overlapping_events, agg.stats.node_conflicts) == (1, 1)
+    assert agg.stats.unattributed_rows == 0
 
 
 def test_node_out_of_order_within_lateness_gives_the_same_records() -> None:
@@ -1177,3 +1179,32 @@ def test_any_arrival_order_is_safe(events: list[Event], rng: random.Random) -> N
         assert min(values) >= 0 and r.peak_memory_bytes >= 0 and r.observed_seconds >= 0
     # (a redelivery after its incarnation was forgotten is counted as late, not as a duplicate)
     assert agg.stats.duplicates <= len(shuffled) - len(events)
+
+
+def test_two_collectors_under_one_node_name_bill_only_the_newest() -> None:
+    old, new = Collector(inc=111), Collector(inc=5)
+    events: list[Event] = [
+        old.appeared(0),
+        old.sample(1_000, row(1, 100)),
+        # The older collector's sample at 12 s arrives before the newer one's first event (10 s):
+        # it lies after the newer one's start, so it is taken off the older one's timeline.
+        old.sample(12_000, row(1, 700)),
+        new.appeared(10_000),
+        new.sample(10_000, row(1, 100)),
+        old.sample(20_000, row(1, 900)),  # still sending: not billed
+        new.sample(30_000, row(1, 100)),
+        new.gone(50_000),
+    ]
+    records, agg = run(events)
+    (w0,) = [r for r in records if r.window_start_ms == 0]
+    assert w0.memory_byte_seconds == 100 * 9 + 100 * 40  # old from 1 s, the new one from 10 s
+    assert (agg.stats.node_conflicts, agg.stats.overlapping_events) == (1, 2)
+    (conflict,) = agg.conflicts()
+    assert (conflict.node, conflict.older, conflict.newer, conflict.since_ms) == (
+        "n1",
+        111,
+        5,
+        10_000,
+    )
+    assert "billing only the newest, 5" in conflict.line()
+    assert agg.conflicts() == []  # each pair once
