@@ -47,3 +47,8 @@ def prometheus_name(name: str, unit: str, *, counter: bool) -> str:
         tokens = [t for t in tokens if t != "ratio"] + ["ratio"]
     out = "_".join(tokens)
     return "_" + out if out[:1].isdigit() else out
+
+
+def prometheus_label(attribute: str) -> str:
+    """An attribute key as a label: anything but [a-zA-Z0-9_] becomes '_'."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", attribute)

@@ -20,10 +20,16 @@ from typing import Any
 import pytest
 import yaml
 from operator_tools import promtool_check_metrics, tool
-from otel_names import prometheus_name
+from otel_names import prometheus_label, prometheus_name
 from prometheus_client.parser import text_string_to_metric_families
 
-from collector.aggregate.otlp import COUNTERS, GAUGES, OtlpExporter
+from collector.aggregate.otlp import (
+    COUNTER_ATTRIBUTES,
+    COUNTERS,
+    GAUGE_ATTRIBUTES,
+    GAUGES,
+    OtlpExporter,
+)
 from collector.aggregate.records import BillingRecord, Gauge
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,6 +219,13 @@ def test_aggregator_otlp_through_the_collector(
     got = series(body)
     ours = {name for name, _ in got if name.startswith("hami_")}
     assert ours == expected, body
+    # Every label is a declared attribute (the README's table) or the exporter's own.
+    own = {"job", "instance", "otel_scope_name", "otel_scope_version", "otel_scope_schema_url"}
+    for name, label_set in got:
+        if name.startswith("hami_"):
+            declared = COUNTER_ATTRIBUTES if name.endswith("_total") else GAUGE_ATTRIBUTES
+            allowed = {prometheus_label(a) for a in declared} | own
+            assert {k for k, _ in label_set} <= allowed, name
 
     labels: dict[str, Any] = {
         "job": "hami-usage-aggregator",

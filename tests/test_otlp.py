@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 from otlp_receiver import Attrs, OtlpReceiver, Received
 
-from collector.aggregate.otlp import COUNTERS, GAUGES, OtlpExporter, _metrics_url
+from collector.aggregate.otlp import (
+    COUNTER_ATTRIBUTES,
+    COUNTERS,
+    GAUGE_ATTRIBUTES,
+    GAUGES,
+    OtlpExporter,
+    _metrics_url,
+)
 from collector.aggregate.records import BillingRecord, Gauge
 
 CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE in OTLP
@@ -86,6 +93,22 @@ def gauge_attrs(g: Gauge) -> Attrs:
             "hw.type": "gpu",
         }.items()
     )
+
+
+def test_points_carry_only_declared_attributes(receiver: OtlpReceiver) -> None:
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    try:
+        exporter.record_window([make_record(1, "trainer", 1.0), make_record(1, "sidecar", 1.0)])
+        exporter.set_gauges([Gauge("node-a", "uid-1", "c1", GPU, 1, 2, 3, 4)])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    for name, metric in receiver.wait_for(1)[0].metrics().items():
+        declared = COUNTER_ATTRIBUTES if name in COUNTER_NAMES else GAUGE_ATTRIBUTES
+        for attrs in metric.points:
+            keys = {k for k, _ in attrs}
+            assert keys <= set(declared), (name, keys)
+            assert set(GAUGE_ATTRIBUTES) <= keys, name  # the identity is always complete
 
 
 def test_no_metric_name_is_the_prefix_of_another() -> None:

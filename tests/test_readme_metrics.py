@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from otel_names import prometheus_name
+from otel_names import prometheus_label, prometheus_name
 
 from collector.aggregate import otlp
 from collector.node import metrics
@@ -29,19 +29,39 @@ def _prometheus_rows(declared: Iterable[metrics.Metric]) -> list[str]:
 
 def _otlp_rows() -> list[str]:
     rows = [
-        "| OTLP name | instrument | unit | through the Collector's Prometheus exporter | meaning |",
-        "|---|---|---|---|---|",
+        "| OTLP name | instrument | unit | attributes | through the Collector's Prometheus"
+        " exporter | meaning |",
+        "|---|---|---|---|---|---|",
     ]
-    for kind, instruments in (("Counter", otlp.COUNTERS), ("ObservableGauge", otlp.GAUGES)):
+    kinds = (
+        ("Counter", otlp.COUNTERS, "counter attributes"),
+        ("ObservableGauge", otlp.GAUGES, "gauge attributes"),
+    )
+    for kind, instruments, attributes in kinds:
         for i in instruments:
             prom = prometheus_name(i.name, i.unit, counter=kind == "Counter")
-            rows.append(f"| `{i.name}` | {kind} | `{i.unit}` | `{prom}` | {i.description} |")
+            rows.append(
+                f"| `{i.name}` | {kind} | `{i.unit}` | {attributes} | `{prom}` | {i.description} |"
+            )
+    return rows
+
+
+def _attribute_rows() -> list[str]:
+    rows = ["| | OTLP attributes | Prometheus labels |", "|---|---|---|"]
+    for name, keys in (
+        ("gauge attributes", otlp.GAUGE_ATTRIBUTES),
+        ("counter attributes", otlp.COUNTER_ATTRIBUTES),
+    ):
+        attrs = ", ".join(f"`{k}`" for k in keys)
+        labels = ", ".join(f"`{prometheus_label(k)}`" for k in keys)
+        rows.append(f"| {name} | {attrs} | {labels}, plus `job`, `instance`, `otel_scope_*` |")
     return rows
 
 
 def tables() -> dict[str, str]:
     return {
         "otlp": "\n".join(_otlp_rows()),
+        "otlp-attributes": "\n".join(_attribute_rows()),
         "prometheus-own": "\n".join(_prometheus_rows(metrics.OWN)),
         "prometheus-hami": "\n".join(_prometheus_rows(metrics.HAMI)),
         "prometheus-legacy": "\n".join(_prometheus_rows(metrics.LEGACY)),

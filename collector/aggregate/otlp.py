@@ -96,6 +96,8 @@ __all__ = [
     "ATTR_POD_NAME",
     "ATTR_POD_UID",
     "COUNTERS",
+    "COUNTER_ATTRIBUTES",
+    "GAUGE_ATTRIBUTES",
     "GAUGES",
     "Instrument",
     "SERVICE_NAME",
@@ -123,6 +125,15 @@ ATTR_WORKLOAD: Final = {
 }
 ATTR_GPU_UUID: Final = "hw.id"
 ATTR_HW_TYPE: Final = "hw.type"
+# Every attribute a point can carry (the README's tables list them): gauges always carry theirs;
+# counters also the Kubernetes names when the record has them.
+GAUGE_ATTRIBUTES: Final = (ATTR_NODE, ATTR_POD_UID, ATTR_CONTAINER, ATTR_GPU_UUID, ATTR_HW_TYPE)
+COUNTER_ATTRIBUTES: Final = (
+    *GAUGE_ATTRIBUTES,
+    ATTR_NAMESPACE,
+    ATTR_POD_NAME,
+    *ATTR_WORKLOAD.values(),
+)
 
 
 @dataclass(frozen=True)
