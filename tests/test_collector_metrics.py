@@ -4,7 +4,6 @@ legacy names (opt-in), /healthz, the bind address, and `promtool check metrics` 
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
@@ -354,17 +353,6 @@ async def test_health(serve: Serve) -> None:
     assert (await asyncio.to_thread(get, port, "/nope"))[0] == 404
     collector.metrics.stale_after_s = 0.0  # as if the scan loop had stopped
     assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 503
-
-
-def _other_address() -> str | None:
-    """An address of this machine other than 127.0.0.1, if it has one."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("127.0.0.2", 9))
-            address: str = s.getsockname()[0]
-    except OSError:
-        return None
-    return address
 
 
 async def test_bind_address(serve: Serve) -> None:
