@@ -593,8 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stuck-seqlock-after",
         type=float,
-        help="a slot whose seqlock stays odd and its bytes unchanged this long is read as it "
-        "stands, with a stuck_seqlock anomaly (default 10 s)",
+        help="a slot whose seqlock stays odd and its bytes unchanged on two scans this far "
+        "apart is read as it stands, with a stuck_seqlock anomaly (default 0: two scans)",
     )
     p.add_argument(
         "--kubernetes",

@@ -64,8 +64,9 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     dir_max_entries: Annotated[int, Meta(gt=0, le=10_000_000)] = 1000
     dir_relist: Positive = 60.0
     listing_budget: Annotated[float, Meta(gt=0, le=60)] = 0.2
-    # A slot whose seqlock stays odd, its bytes unchanged, this long: a writer killed mid-update.
-    stuck_seqlock_after: Annotated[float, Meta(gt=0, le=HOUR)] = 10.0
+    # A slot whose seqlock stays odd, its bytes unchanged, on two scans this far apart (0: on
+    # two consecutive scans): a writer killed mid-update.
+    stuck_seqlock_after: Annotated[float, Meta(ge=0, le=HOUR)] = 0.0
     kubernetes: bool = True  # the pod watch (names); off by itself, one line, outside a cluster
     kubeconfig: str | None = None  # default: $KUBECONFIG, else the in-cluster service account
     pod_labels: list[str] = []  # pod labels copied into every record (e.g. team, cost-center)

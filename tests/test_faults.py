@@ -220,11 +220,6 @@ def test_damaged_log_against_the_ground_truth(tmp_path: Path) -> None:
         assert any(found.values()), how
 
 
-@pytest.mark.xfail(
-    reason="found by this suite, not fixed here: with the real writer's faults injected the "
-    "bill of a container can differ from the ground truth with exit 0 (see the README)",
-    strict=False,
-)
 def test_the_real_writers_failure_modes(tmp_path: Path) -> None:
     root = tmp_path / "containers"
     root.mkdir()

@@ -271,3 +271,17 @@ def test_a_killed_writer_costs_at_most_the_scan_that_saw_it_torn(seed: int) -> N
     gaps, torn = _billing_gaps({"killed-mid-update"}, seed)
     assert torn > 0
     assert gaps <= torn
+
+
+def test_by_default_a_stuck_seqlock_is_taken_on_the_second_scan(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    w = writer(tmp_path, writers)
+    w.add_process(10, 1010)
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)  # the default settings
+    s.scan()
+    w.kill_mid_update(10, 1, "context", 3 * MiB)
+    assert kinds(s.scan()) == [("torn_read", 0, 10)]
+    second = s.scan()
+    assert kinds(second) == [("stuck_seqlock", 0, 1)]
+    assert rows(second)[(10, 1)] == 3 * MiB

@@ -38,7 +38,10 @@ REACH = 64
 
 @dataclass(frozen=True)
 class WriterFaultSettings:
-    stuck_after_s: float = 10.0
+    # The writer holds its seqlock odd for nanoseconds: odd with the same count and bytes on two
+    # consecutive scans (after the reader's retries) is a writer that will not finish. 0 takes
+    # it on the second scan; more demands that long.
+    stuck_after_s: float = 0.0
 
 
 @dataclass
@@ -107,16 +110,15 @@ class WriterFaults:
                 prev = w.stuck.get(k)
                 since = prev[2] if prev is not None and prev[:2] == (seq, owned) else now_s
                 seen[k] = (seq, owned, since)
-                if now_s - since < self.settings.stuck_after_s:
-                    continue
+                if prev is None or now_s - since < self.settings.stuck_after_s:
+                    continue  # first seen this scan: wait for the next one
                 proc, extra = parse_slot(layout, k, raw, device_num)
                 procs.append(proc)
                 anomalies.remove(a)
                 anomalies.extend(extra)
                 detail = (
-                    f"slot {k}: seqlock {seq} odd and unchanged, its bytes stable, for "
-                    f"{self.settings.stuck_after_s:g} s or more: a writer died mid-update; "
-                    "read as it stands"
+                    f"slot {k}: seqlock {seq} odd and unchanged, its bytes stable, since "
+                    f"{now_s - since:.3g} s: a writer died mid-update; read as it stands"
                 )
                 anomalies.append(Anomaly("stuck_seqlock", detail, slot=k, value=seq))
         w.stuck = seen
