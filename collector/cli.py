@@ -8,13 +8,21 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import msgspec
 
 from . import settings_check as check
 from .aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED, CheckpointError, DamageReport
-from .config import AggregateConfig, CollectConfig, ConfigError, ReplayConfig, load
+from .config import (
+    AggregateConfig,
+    CollectConfig,
+    ConfigError,
+    KafkaClientConfig,
+    ReplayConfig,
+    TopicsConfig,
+    load,
+)
 from .layout.declarations import LAYOUTS
 from .layout.reader import read_snapshot
 from .layout.snapshot import Snapshot
@@ -24,8 +32,12 @@ from .transport.locallog import LogLockedError
 C = TypeVar("C", bound=msgspec.Struct)
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
     from .aggregate.windows import WindowSettings
     from .node.podwatch import KubeSettings
+    from .transport.security import KafkaSecurity
+    from .transport.topics import TopicPlan
 
 
 class UsageError(Exception):
@@ -161,6 +173,70 @@ def _outputs(section: str, cfg: ReplayConfig) -> None:
             check.writable_file("--jsonl", cfg.jsonl)
 
 
+def _security(cfg: KafkaClientConfig, command: str) -> KafkaSecurity:
+    """The one place settings become the Kafka clients' security; bad settings exit 2."""
+    from .transport.security import KafkaSecurity, SecurityError, read_password
+
+    try:
+        security = KafkaSecurity(
+            protocol=cfg.kafka_security_protocol,
+            ca_file=cfg.kafka_ca_file,
+            cert_file=cfg.kafka_cert_file,
+            key_file=cfg.kafka_key_file,
+            check_hostname=cfg.kafka_check_hostname,
+            sasl_mechanism=cfg.kafka_sasl_mechanism,
+            username=cfg.kafka_username,
+            password=read_password(cfg.kafka_password_file, cfg.kafka_password),
+        )
+        security.client_kwargs()  # unreadable certificate or key files: now, not at connect
+    except SecurityError as exc:
+        raise UsageError(f"hami-usage {command}: {exc}") from None
+    return security
+
+
+def _topic_plan(args: argparse.Namespace, usage: str, billing: str) -> TopicPlan:
+    """The `[topics]` table of the same config file (and env), for the start-up check."""
+    try:
+        t = load(TopicsConfig, "topics", config_file=args.config)
+    except ConfigError as exc:
+        raise UsageError(f"hami-usage topics: {exc}") from None
+    return _plan(t, usage, billing)
+
+
+def _plan(t: TopicsConfig, usage: str, billing: str) -> TopicPlan:
+    from .transport.topics import TopicPlan
+
+    return TopicPlan(
+        usage,
+        billing,
+        t.usage_partitions,
+        t.billing_partitions,
+        t.replication_factor,
+        t.min_insync_replicas,
+        t.usage_retention_days,
+    )
+
+
+def _run_kafka(command: str, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a command's Kafka work; a broker that is away or refuses us is one line, exit 1."""
+    import asyncio
+
+    from aiokafka.errors import KafkaError
+
+    from .transport.security import classify
+
+    try:
+        return asyncio.run(coro)
+    except BrokerUnreachable as exc:
+        print(f"hami-usage {command}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KafkaError as exc:
+        refusal = classify(exc)
+        detail = f"Kafka refused: {refusal}" if refusal else f"Kafka: {exc}"
+        print(f"hami-usage {command}: {detail}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def _logging(level: int) -> None:
     """Timestamped log lines; aiokafka's connection errors while a broker is away are
     repeated once per distinct message and period, not forty times a second."""
@@ -203,7 +279,12 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     kafka = None
     if cfg.kafka:
         kafka = ProducerSettings(
-            cfg.kafka, topic=cfg.topic, linger_ms=cfg.linger_ms, compression=cfg.compression
+            cfg.kafka,
+            topic=cfg.topic,
+            linger_ms=cfg.linger_ms,
+            compression=cfg.compression,
+            security=_security(cfg, "collect"),
+            expect=(_topic_plan(args, cfg.topic, "").usage(),),
         )
     settings = CollectSettings(
         root=root,
@@ -274,30 +355,35 @@ def _kube(cfg: CollectConfig) -> KubeSettings | None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    import asyncio
-
     from .demo import DemoSettings, format_report, run_demo
 
     if args.duration is not None and args.duration < 5:
         raise UsageError("hami-usage demo: --duration must be at least 5 seconds")
+    cfg = _settings(args, KafkaClientConfig, "demo", KAFKA_FLAGS)
     settings = DemoSettings(
         duration_s=args.duration or DemoSettings.duration_s,
         out=Path(args.out),
         kafka=args.kafka,
+        security=_security(cfg, "demo"),
     )
-    result = asyncio.run(run_demo(settings))
+    result = _run_kafka("demo", run_demo(settings))
     sys.stdout.write(format_report(result))
     return 0
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
+    from .aggregate import billing
     from .events import json_schema
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = out / "events.schema.json"
-    target.write_bytes(msgspec.json.format(msgspec.json.encode(json_schema()), indent=2) + b"\n")
-    print(f"wrote {target}")
+    for name, schema in (
+        ("events.schema.json", json_schema()),
+        ("billing.schema.json", billing.json_schema()),
+    ):
+        target = out / name
+        target.write_bytes(msgspec.json.format(msgspec.json.encode(schema), indent=2) + b"\n")
+        print(f"wrote {target}")
     return 0
 
 
@@ -314,8 +400,6 @@ def _window(cfg: AggregateConfig | ReplayConfig) -> WindowSettings:
 
 
 def _cmd_aggregate(args: argparse.Namespace) -> int:
-    import asyncio
-
     from .aggregate.service import AggregateSettings, aggregate
     from .transport.http import ListenError
 
@@ -337,15 +421,17 @@ def _cmd_aggregate(args: argparse.Namespace) -> int:
         instance=cfg.instance,
         health_port=cfg.health_port,
         health_bind_address=cfg.health_bind_address,
+        billing_format=cfg.billing_format,
+        start_from=_start_from(cfg.start_from),
     )
+    if cfg.kafka:
+        settings.security = _security(cfg, "aggregate")
+        settings.topics = _topic_plan(args, cfg.topic, cfg.billing_topic).specs()
     if not cfg.kafka and not Path(cfg.log).is_dir():
         raise UsageError(f"hami-usage aggregate: --log {cfg.log}: not a directory")
     _logging(logging.INFO)
     try:
-        asyncio.run(aggregate(settings))
-    except BrokerUnreachable as exc:
-        print(f"hami-usage aggregate: {exc}", file=sys.stderr)
-        return 1
+        _run_kafka("aggregate", aggregate(settings))
     except CheckpointError as exc:
         print(f"hami-usage aggregate: {exc}", file=sys.stderr)
         return EXIT_CHECKPOINT
@@ -369,21 +455,50 @@ def _damage_exit(command: str, damage: DamageReport, accept: bool, ends: bool) -
     return EXIT_DAMAGED
 
 
-def _iso_ms(flag: str, text: str) -> int:
+def _start_from(text: str) -> str | int:
+    if text in ("earliest", "latest"):
+        return text
+    return _iso_ms("--start-from", text, "aggregate")
+
+
+def _cmd_topics(args: argparse.Namespace) -> int:
+    from .transport.topics import apply_plan
+
+    cfg = _settings(args, TopicsConfig, "topics", TOPICS_FLAGS)
+    if not cfg.kafka:
+        raise UsageError("hami-usage topics: --kafka BOOTSTRAP is required")
+    if cfg.min_insync_replicas > cfg.replication_factor:
+        raise UsageError(
+            "hami-usage topics: --min-insync-replicas must not exceed --replication-factor"
+        )
+    plan = _plan(cfg, cfg.topic, cfg.billing_topic)
+    security = _security(cfg, "topics")
+    ok: bool = _run_kafka("topics", apply_plan(cfg.kafka, security, plan, args.apply, sys.stdout))
+    return 0 if ok else 1
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from .decode import decode_stream
+
+    return decode_stream(sys.stdin.buffer, sys.stdout.buffer, sys.stderr, args.framing)
+
+
+def _iso_ms(flag: str, text: str, command: str = "replay") -> int:
     from datetime import UTC, datetime
 
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        raise UsageError(f"hami-usage replay: {flag} {text!r}: not an ISO-8601 time") from None
+        raise UsageError(
+            f"hami-usage {command}: {flag} {text!r}: not an ISO-8601 time"
+            + (" (or earliest, latest)" if command == "aggregate" else "")
+        ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return round(when.timestamp() * 1000)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    import asyncio
-
     from .replay import ReplayRange, replay_kafka, replay_local
 
     cfg = _settings(args, ReplayConfig, "replay", REPLAY_FLAGS)
@@ -396,13 +511,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     window = _window(cfg)
     _logging(logging.WARNING)
     if cfg.kafka:
-        try:
-            written, stats = asyncio.run(
-                replay_kafka(cfg.kafka, cfg.topic, window, rng, cfg.csv, cfg.jsonl)
-            )
-        except BrokerUnreachable as exc:
-            print(f"hami-usage replay: {exc}", file=sys.stderr)
-            return 1
+        security = _security(cfg, "replay")
+        written, stats = _run_kafka(
+            "replay", replay_kafka(cfg.kafka, cfg.topic, window, rng, cfg.csv, cfg.jsonl, security)
+        )
     else:
         if not Path(cfg.log).is_dir():
             raise UsageError(f"hami-usage replay: --log {cfg.log}: not a directory")
@@ -415,6 +527,16 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return _damage_exit("replay", stats.damage, cfg.accept_damaged, True)
 
 
+KAFKA_FLAGS = [
+    "kafka_security_protocol",
+    "kafka_ca_file",
+    "kafka_cert_file",
+    "kafka_key_file",
+    "kafka_check_hostname",
+    "kafka_sasl_mechanism",
+    "kafka_username",
+    "kafka_password_file",
+]
 REPLAY_FLAGS = [
     "accept_damaged",
     "kafka",
@@ -427,6 +549,7 @@ REPLAY_FLAGS = [
     "allocation_policy",
     "csv",
     "jsonl",
+    *KAFKA_FLAGS,
 ]
 AGGREGATE_FLAGS = [
     *REPLAY_FLAGS,
@@ -437,6 +560,19 @@ AGGREGATE_FLAGS = [
     "instance",
     "health_port",
     "health_bind_address",
+    "billing_format",
+    "start_from",
+]
+TOPICS_FLAGS = [
+    "kafka",
+    "topic",
+    "billing_topic",
+    "usage_partitions",
+    "billing_partitions",
+    "replication_factor",
+    "min_insync_replicas",
+    "usage_retention_days",
+    *KAFKA_FLAGS,
 ]
 COLLECT_FLAGS = [
     "root",
@@ -471,7 +607,39 @@ COLLECT_FLAGS = [
     "namespace_labels",
     "kube_backoff_max",
     "kube_watch_timeout",
+    *KAFKA_FLAGS,
 ]
+
+
+def _kafka_flags(p: argparse.ArgumentParser) -> None:
+    """Security flags, the same for every command with --kafka. The password has none: it
+    comes from a file or HAMI_USAGE_KAFKA_PASSWORD (flags show in `ps`)."""
+    g = p.add_argument_group("Kafka security")
+    g.add_argument(
+        "--kafka-security-protocol",
+        choices=["PLAINTEXT", "SSL", "SASL_SSL"],
+        help="PLAINTEXT (default), SSL (TLS, mutual with a client certificate) or SASL_SSL",
+    )
+    g.add_argument("--kafka-ca-file", metavar="PEM", help="CA bundle (default: the system's)")
+    g.add_argument("--kafka-cert-file", metavar="PEM", help="client certificate (mutual TLS)")
+    g.add_argument("--kafka-key-file", metavar="PEM", help="its private key (unencrypted)")
+    g.add_argument(
+        "--kafka-check-hostname",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check the broker's certificate names its host (default on)",
+    )
+    g.add_argument(
+        "--kafka-sasl-mechanism",
+        choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"],
+        help="SASL mechanism (with SASL_SSL)",
+    )
+    g.add_argument("--kafka-username", help="SASL user name")
+    g.add_argument(
+        "--kafka-password-file",
+        metavar="FILE",
+        help="file holding the SASL password (or set HAMI_USAGE_KAFKA_PASSWORD)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -623,6 +791,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kube-watch-timeout", type=int, help="seconds of one watch request (default 300)"
     )
+    _kafka_flags(p)
     p.set_defaults(func=_cmd_collect)
 
     p = sub.add_parser("aggregate", help="events -> windowed billing records and OTLP metrics")
@@ -675,6 +844,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"exit 0 rather than {EXIT_DAMAGED} when the input was damaged (still reported)",
     )
+    p.add_argument(
+        "--billing-format",
+        choices=["json", "msgpack"],
+        help="billing topic values (default json)",
+    )
+    p.add_argument(
+        "--start-from",
+        metavar="WHEN",
+        help="where a group with no committed offset starts: earliest (default), latest or "
+        "an ISO-8601 time",
+    )
+    _kafka_flags(p)
     p.set_defaults(func=_cmd_aggregate)
 
     p = sub.add_parser("replay", help="recompute billing records for a past time range")
@@ -709,6 +890,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"exit 0 rather than {EXIT_DAMAGED} when the input was damaged (still reported)",
     )
+    _kafka_flags(p)
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("demo", help="simulate a node and run the whole pipeline; print the bill")
@@ -723,9 +905,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kafka", metavar="BOOTSTRAP", help="go through this Kafka broker instead of the local log"
     )
+    p.add_argument("--config", type=Path, help="TOML file; Kafka security in its [demo] table")
+    _kafka_flags(p)
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("schema", help="write the event JSON Schema (schemas/events.schema.json)")
+    p = sub.add_parser("topics", help="print, check and (--apply) create the Kafka topics")
+    p.add_argument("--config", type=Path, help="TOML file; settings in its [topics] table")
+    p.add_argument("--kafka", metavar="BOOTSTRAP", help="Kafka bootstrap servers (required)")
+    p.add_argument("--topic", help="usage topic (default hami.usage.v1)")
+    p.add_argument("--billing-topic", help="billing topic (default hami.billing.v1)")
+    p.add_argument("--usage-partitions", type=int, help="usage topic partitions (default 6)")
+    p.add_argument("--billing-partitions", type=int, help="billing topic partitions (default 3)")
+    p.add_argument("--replication-factor", type=int, help="replicas per partition (default 3)")
+    p.add_argument("--min-insync-replicas", type=int, help="min.insync.replicas (default 2)")
+    p.add_argument(
+        "--usage-retention-days",
+        type=float,
+        help="usage topic retention = the replay horizon (default 400)",
+    )
+    p.add_argument(
+        "--apply", action="store_true", help="create the topics that are missing, then check"
+    )
+    _kafka_flags(p)
+    p.set_defaults(func=_cmd_topics)
+
+    p = sub.add_parser("decode", help="raw usage or billing messages on stdin -> JSON lines")
+    p.add_argument(
+        "--framing",
+        choices=["length", "base64", "lines"],
+        default="length",
+        help="length: each value after its length, a 4-byte big-endian int (kcat -f '%%R%%s'); "
+        "base64: one base64 value a line; lines: one raw value a line (JSON billing only)",
+    )
+    p.set_defaults(func=_cmd_decode)
+
+    p = sub.add_parser("schema", help="write the event and billing JSON Schemas (schemas/)")
     p.add_argument("--out", default="schemas", help="folder (default schemas)")
     p.set_defaults(func=_cmd_schema)
     return parser

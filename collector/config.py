@@ -34,7 +34,28 @@ class ConfigError(Exception):
     """A setting that cannot be used; the message is one line for stderr."""
 
 
-class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class KafkaClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a command connects to Kafka (collector/transport/security.py). The password has no
+    flag (flags show in `ps`): it comes from `kafka_password_file` or HAMI_USAGE_KAFKA_PASSWORD."""
+
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_SSL"] = "PLAINTEXT"
+    kafka_ca_file: str | None = None  # PEM CA bundle; none: the system's trusted CAs
+    kafka_cert_file: str | None = None  # PEM client certificate for mutual TLS ...
+    kafka_key_file: str | None = None  # ... and its unencrypted PEM key
+    kafka_check_hostname: bool = True
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_username: str | None = None
+    kafka_password_file: str | None = None
+    kafka_password: str | None = None  # env HAMI_USAGE_KAFKA_PASSWORD; a file is preferred
+
+    def __post_init__(self) -> None:
+        for name in ("kafka_ca_file", "kafka_cert_file", "kafka_key_file", "kafka_password_file"):
+            check.path(name, getattr(self, name))
+        if self.kafka_username is not None:
+            check.printable("kafka_username", self.kafka_username)
+
+
+class CollectConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
     root: str = "/usr/local/vgpu/containers"
     node: str = ""  # empty: $NODE_NAME, else the host name
     kafka: str | None = None  # bootstrap servers; none: the embedded local log
@@ -75,6 +96,7 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     kube_watch_timeout: PositiveInt = 300  # timeoutSeconds of one watch request
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check.path("root", self.root)
         if self.node:  # empty: taken from $NODE_NAME or the host name at start
             check.node_name("node", self.node)
@@ -87,7 +109,7 @@ class CollectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         check.path("kubeconfig", self.kubeconfig)
 
 
-class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ReplayConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What reading and windowing the usage events takes: replay's settings, and the
     aggregator's (which adds its outputs and group below)."""
 
@@ -105,6 +127,7 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     accept_damaged: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check.bootstrap("kafka", self.kafka)
         check.kafka_name("topic", self.topic)
         check.path("log", self.log)
@@ -120,6 +143,9 @@ class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fi
     instance: str = "0"  # transactional.id suffix: unique per replica (e.g. the pod name)
     health_port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # /healthz; None: off
     health_bind_address: str = "0.0.0.0"
+    billing_format: Literal["json", "msgpack"] = "json"  # billing topic values
+    # Where a group with no committed offset starts: earliest, latest or an ISO-8601 time.
+    start_from: str = "earliest"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -128,6 +154,26 @@ class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fi
         check.http_url("otlp", self.otlp)
         check.printable("instance", self.instance)
         check.address("health_bind_address", self.health_bind_address)
+
+
+class TopicsConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The usage and billing topics as `hami-usage topics` creates them and the services expect
+    them (`[topics]`; the services read this table of the same file to check the topics)."""
+
+    kafka: str | None = None
+    topic: str = "hami.usage.v1"
+    billing_topic: str = "hami.billing.v1"
+    usage_partitions: PositiveInt = 6
+    billing_partitions: PositiveInt = 3
+    replication_factor: PositiveInt = 3
+    min_insync_replicas: PositiveInt = 2
+    usage_retention_days: Positive = 400.0  # the replay horizon
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check.bootstrap("kafka", self.kafka)
+        check.kafka_name("topic", self.topic)
+        check.kafka_name("billing_topic", self.billing_topic)
 
 
 C = TypeVar("C", bound=msgspec.Struct)

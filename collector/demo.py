@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 import uuid as uuidlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .aggregate.service import AggregateSettings, run_kafka, run_local
@@ -24,6 +24,7 @@ from .node.service import Collector, CollectSettings
 from .simulate import GroundTruth, NodeSimulator, SimDevice, new_cache_file
 from .transport.kafka import ProducerSettings
 from .transport.locallog import LogReader
+from .transport.security import KafkaSecurity
 
 GiB = float(1 << 30)
 NODE = "demo-node"
@@ -34,6 +35,7 @@ class DemoSettings:
     duration_s: float = 20.0
     out: Path = Path("hami-usage-demo")
     kafka: str | None = None
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
     containers: int = 6
     interval_s: float = 0.25
     step_s: float = 1.0
@@ -81,7 +83,9 @@ class _Progress:
 async def _collect_and_simulate(
     s: DemoSettings, root: Path, log_dir: Path, topic: str | None
 ) -> GroundTruth:
-    kafka = ProducerSettings(s.kafka, topic=topic) if s.kafka and topic else None
+    kafka = (
+        ProducerSettings(s.kafka, topic=topic, security=s.security) if s.kafka and topic else None
+    )
     collector = Collector(
         CollectSettings(
             root=root,
@@ -141,7 +145,11 @@ async def run_demo(s: DemoSettings) -> DemoResult:
     root.mkdir()
     csv_path = s.out / "billing.csv"
     csv_path.unlink(missing_ok=True)
-    topic = f"hami.usage.demo-{uuidlib.uuid4().hex[:8]}" if s.kafka else None
+    suffix = f"demo-{uuidlib.uuid4().hex[:8]}"
+    topic = f"hami.usage.{suffix}" if s.kafka else None
+    billing_topic = f"hami.billing.{suffix}"
+    if s.kafka:
+        await _create_topics(s.kafka, s.security, topic or "", billing_topic)
     truth = await _collect_and_simulate(s, root, log_dir, topic)
     window = WindowSettings(
         window_ms=round(s.window_s * 1000),
@@ -153,11 +161,12 @@ async def run_demo(s: DemoSettings) -> DemoResult:
         window=window,
         kafka=s.kafka,
         topic=topic or "",
-        billing_topic=f"{topic}.billing",
-        group=f"demo-{uuidlib.uuid4().hex[:8]}",
+        billing_topic=billing_topic,
+        group=f"hami-usage-{suffix}",
         log_dir=log_dir,
         csv=str(csv_path),
         drain=True,
+        security=s.security,
     )
     stopping = asyncio.Event()
     if s.kafka:
@@ -170,6 +179,21 @@ async def run_demo(s: DemoSettings) -> DemoResult:
     damage = agg.stats.damage.line()
     shutil.rmtree(work, ignore_errors=True)
     return DemoResult(csv_path, rows, anomalies, truth, round(s.interval_s * 1000), damage)
+
+
+async def _create_topics(bootstrap: str, security: KafkaSecurity, usage: str, billing: str) -> None:
+    """The demo's own two topics, sized for one broker (brokers should not auto-create)."""
+    from .transport.kafka import wait_for_broker
+    from .transport.topics import TopicPlan, admin_client, create_missing
+
+    await wait_for_broker(bootstrap, 30.0, security)
+    plan = TopicPlan(usage, billing, 1, 1, 1, 1, usage_retention_days=1)
+    admin = admin_client(bootstrap, security)
+    await admin.start()
+    try:
+        await create_missing(admin, plan.specs())
+    finally:
+        await admin.close()
 
 
 def format_report(result: DemoResult) -> str:

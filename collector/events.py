@@ -15,6 +15,7 @@ Values are absolute, never increments: a duplicate or a replay is harmless.
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import msgspec
@@ -274,4 +275,31 @@ def json_schema() -> dict[str, Any]:
     schema["title"] = "hami.usage.v1 events"
     schema["description"] = (__doc__ or "").strip()
     schema["x-schema-version"] = SCHEMA_VERSION
+    _name_positions(schema["$defs"])
     return schema
+
+
+def _name_positions(defs: dict[str, Any]) -> None:
+    """Array-like structs are positional: give each position its field name (`title`) and
+    list the names in order (`x-fields`), so a reader in any language can build objects."""
+    structs: dict[str, type[msgspec.Struct]] = {}
+    pending: list[Any] = list(EVENT_TYPES)
+    while pending:
+        tp = pending.pop()
+        if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+            if tp.__name__ in structs:
+                continue
+            structs[tp.__name__] = tp
+            pending += [f.type for f in msgspec.structs.fields(tp)]
+        else:
+            pending += list(typing.get_args(tp))
+    for name, definition in defs.items():
+        cls = structs.get(name)
+        if cls is None or "prefixItems" not in definition:
+            continue
+        names = list(cls.__struct_fields__)
+        if cls.__struct_config__.tag is not None:
+            names.insert(0, "kind")
+        definition["x-fields"] = names
+        for item, field_name in zip(definition["prefixItems"], names, strict=True):
+            item["title"] = field_name

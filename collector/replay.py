@@ -26,6 +26,7 @@ from .aggregate.service import (
 )
 from .aggregate.windows import Aggregator, WindowSettings
 from .transport.locallog import LogReader
+from .transport.security import KafkaSecurity
 
 # Record timestamps are the collector's append or send time, a little after the event time.
 SLACK_MS = 60_000
@@ -163,18 +164,21 @@ async def replay_kafka(
     rng: ReplayRange,
     csv: str | None,
     jsonl: str | None,
+    security: KafkaSecurity | None = None,
 ) -> tuple[int, InputStats]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from .transport.kafka import wait_for_broker
 
     start = rng.from_ms - window.max_gap_ms - window.lateness_ms - SLACK_MS
-    await wait_for_broker(bootstrap, 10.0)
+    security = security or KafkaSecurity()
+    await wait_for_broker(bootstrap, 10.0, security)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
         isolation_level="read_committed",
         client_id="hami-usage-replay",
+        **security.client_kwargs(),
     )
     await consumer.start()
     try:

@@ -2,10 +2,15 @@
 # Single-node Kafka (KRaft, broker+controller in one JVM) for local runs and CI.
 #   scripts/kafka.sh install|start|stop|status|reset
 # start prints the bootstrap address on stdout; everything else goes to stderr.
+#
+# KAFKA_SECURE=1 runs a second, secured broker beside the plaintext one: its own data, config
+# and ports under $KAFKA_HOME/secure (the jars are shared), so it never disturbs the plaintext
+# broker. See scripts/kafka-secure.sh for its listeners, certificates, users and ACLs.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 KAFKA_HOME="${KAFKA_HOME:-$ROOT/.kafka}"
+KAFKA_SECURE="${KAFKA_SECURE:-0}"
 # Empty: the version pinned in kafka-pom.xml. A data dir formatted by a newer version
 # cannot be opened by an older one: use another KAFKA_HOME (or reset) when going down.
 KAFKA_VERSION="${KAFKA_VERSION:-}"
@@ -18,6 +23,12 @@ KAFKA_HEAP_OPTS="${KAFKA_HEAP_OPTS:--Xms128m -Xmx512m}"
 KAFKA_JVM_OPTS="${KAFKA_JVM_OPTS:--XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:TieredStopAtLevel=1 -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true}"
 POM="$ROOT/scripts/kafka-pom.xml"
 LIBS="$KAFKA_HOME/libs"
+LOCKFILE="$KAFKA_HOME/.lock"
+if [[ "$KAFKA_SECURE" == 1 ]]; then
+    KAFKA_HOME="$KAFKA_HOME/secure"
+    # shellcheck source=scripts/kafka-secure.sh
+    source "$ROOT/scripts/kafka-secure.sh"
+fi
 DATA="$KAFKA_HOME/data"
 CONF="$KAFKA_HOME/config"
 PIDFILE="$KAFKA_HOME/kafka.pid"
@@ -54,21 +65,28 @@ running() {
     grep -qa kafka.Kafka "/proc/$p/cmdline" 2>/dev/null || return 1
 }
 
+plain_listeners() {
+    cat <<EOF
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+auto.create.topics.enable=true
+EOF
+}
+
 write_config() {
     mkdir -p "$CONF"
-    cat >"$CONF/server.properties" <<EOF
+    {
+        if [[ "$KAFKA_SECURE" == 1 ]]; then secure_listeners; else plain_listeners; fi
+        cat <<EOF
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$KAFKA_CONTROLLER_PORT
-listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
 controller.listener.names=CONTROLLER
-inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 log.dirs=$DATA
 num.partitions=3
 default.replication.factor=1
-auto.create.topics.enable=true
 offsets.topic.replication.factor=1
 transaction.state.log.replication.factor=1
 transaction.state.log.min.isr=1
@@ -85,6 +103,7 @@ group.initial.rebalance.delay.ms=0
 broker.heartbeat.interval.ms=500
 broker.session.timeout.ms=3000
 EOF
+    } >"$CONF/server.properties"
     cat >"$CONF/log4j2.properties" <<'EOF'
 appender.out.type = Console
 appender.out.name = out
@@ -101,8 +120,11 @@ format() {
     say "formatting $DATA"
     rm -rf "$DATA"
     # kafka.tools.StorageTool is the Scala tool shipped in kafka_2.13 for all 4.x releases.
+    local scram=()
+    [[ "$KAFKA_SECURE" == 1 ]] && mapfile -t scram < <(scram_args)
     java -cp "$LIBS/*" -Dlog4j2.configurationFile="$CONF/log4j2.properties" \
-        kafka.tools.StorageTool format -t "$CLUSTER_ID" -c "$CONF/server.properties" >>"$LOG" 2>&1
+        kafka.tools.StorageTool format -t "$CLUSTER_ID" -c "$CONF/server.properties" \
+        "${scram[@]}" >>"$LOG" 2>&1
 }
 
 # "Accepting requests" = a real Metadata round trip that lists this broker, not just an open port.
@@ -135,7 +157,12 @@ wait_ready() {
         running || fail "broker exited during startup"
         # Cheap port check first so python is only started once something listens.
         if (exec 3<>"/dev/tcp/127.0.0.1/$KAFKA_PORT") 2>/dev/null && probe; then
-            echo "$ADDR"
+            if [[ "$KAFKA_SECURE" == 1 ]]; then
+                add_acls || fail "could not add the ACLs"
+                echo "$SECURE_ADDR"
+            else
+                echo "$ADDR"
+            fi
             return
         fi
         sleep 0.5
@@ -146,6 +173,7 @@ wait_ready() {
 start() {
     if running; then wait_ready; return; fi
     install
+    if [[ "$KAFKA_SECURE" == 1 ]]; then make_certs; fi
     [[ -f "$DATA/meta.properties" && -f "$CONF/server.properties" ]] || { write_config; format; }
     say "starting broker on $ADDR (log: $LOG)"
     # setsid: the broker must outlive this script and not get the caller's Ctrl-C.
@@ -175,15 +203,16 @@ stop() {
 }
 
 mkdir -p "$KAFKA_HOME"
-# Serialise concurrent callers (parallel test workers, CI steps) on one broker.
-exec 9>"$KAFKA_HOME/.lock"
+# Serialise concurrent callers (parallel test workers, CI steps) on one broker; the secured
+# broker takes the same lock, since it shares the jars.
+exec 9>"$LOCKFILE"
 flock -w 600 9
 
 case "${1:-}" in
 install) install ;;
 start) start ;;
 stop) stop ;;
-status) running && echo "$ADDR" ;;
-reset) stop; rm -rf "$DATA" "$CONF" ;;
+status) running && echo "${SECURE_ADDR:-$ADDR}" ;;
+reset) stop; rm -rf "$DATA" "$CONF" "${CERTS:-$DATA}" ;;
 *) echo "usage: $0 install|start|stop|status|reset" >&2; exit 2 ;;
 esac

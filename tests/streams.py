@@ -29,10 +29,12 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
-from collector.aggregate.records import CSV_FIELDS, BillingRecord, csv_row, from_msgpack
+from collector.aggregate.billing import decode_billing
+from collector.aggregate.records import CSV_FIELDS, BillingRecord, csv_row
 from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.events import (
     SCHEMA_VERSION,
@@ -439,7 +441,34 @@ async def read_billing(bootstrap: str, topic: str, timeout_s: float = 60) -> lis
             out: list[BillingRecord] = []
             while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
                 for records in (await consumer.getmany(timeout_ms=200)).values():
-                    out += [from_msgpack(r.value) for r in records]
+                    out += [decode_billing(r.value) for r in records]
+            return out
+    finally:
+        await consumer.stop()
+
+
+async def consume_plain(topic: str, **client: Any) -> list[Any]:
+    """Every committed message of `topic` as a plain aiokafka consumer sees it (no project
+    code), up to the end offsets at the time. `client`: bootstrap_servers, security, group_id."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(
+        topic,
+        isolation_level="read_committed",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        **client,
+    )
+    await consumer.start()
+    try:
+        async with asyncio.timeout(60):
+            while not (tps := consumer.assignment()):
+                await asyncio.sleep(0.05)
+            ends = await consumer.end_offsets(list(tps))
+            out: list[Any] = []
+            while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+                for msgs in (await consumer.getmany(timeout_ms=200)).values():
+                    out += msgs
             return out
     finally:
         await consumer.stop()

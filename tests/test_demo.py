@@ -66,7 +66,17 @@ def test_every_subcommand_has_complete_help() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert sorted(sub.choices) == sorted(
-        ["inspect", "simulate", "collect", "aggregate", "replay", "demo", "schema"]
+        [
+            "inspect",
+            "simulate",
+            "collect",
+            "aggregate",
+            "replay",
+            "demo",
+            "schema",
+            "topics",
+            "decode",
+        ]
     )
     for name, subparser in sub.choices.items():
         assert name in top

@@ -27,7 +27,7 @@ from otel_names import prometheus_name
 
 from collector import cli
 from collector.aggregate import otlp
-from collector.config import AggregateConfig, CollectConfig, ReplayConfig, load
+from collector.config import AggregateConfig, CollectConfig, ReplayConfig, TopicsConfig, load
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -427,6 +427,7 @@ _SETTINGS: dict[str, tuple[type[Any], list[str]]] = {
     "collect": (CollectConfig, cli.COLLECT_FLAGS),
     "aggregate": (AggregateConfig, cli.AGGREGATE_FLAGS),
     "replay": (ReplayConfig, cli.REPLAY_FLAGS),
+    "topics": (TopicsConfig, cli.TOPICS_FLAGS),
 }
 
 

@@ -108,11 +108,25 @@ def test_schema_command_output_equals_the_checked_in_schema(tmp_path: Path) -> N
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"wrote {tmp_path / 'events.schema.json'}\n"
-    generated = (tmp_path / "events.schema.json").read_bytes()
-    assert generated == CHECKED_IN.read_bytes(), (
-        "schemas/events.schema.json is out of date: run `hami-usage schema` and commit it"
-    )
+    names = ["events.schema.json", "billing.schema.json"]
+    assert proc.stdout == "".join(f"wrote {tmp_path / n}\n" for n in names)
+    for name in names:
+        generated = (tmp_path / name).read_bytes()
+        assert generated == (REPO / "schemas" / name).read_bytes(), (
+            f"schemas/{name} is out of date: run `hami-usage schema` and commit it"
+        )
+
+
+def test_every_array_position_is_named_by_its_field() -> None:
+    schema = json.loads(CHECKED_IN.read_text())
+    sample = schema["$defs"]["UsageSample"]
+    assert sample["x-fields"] == ["kind", "v", "inc", "seq", "ts", "cid", "rows"]
+    assert [i["title"] for i in sample["prefixItems"]] == sample["x-fields"]
+    row = schema["$defs"]["UsageRow"]
+    assert row["x-fields"] == [f.name for f in msgspec.structs.fields(UsageRow)]
+    for name, definition in schema["$defs"].items():
+        if "prefixItems" in definition:
+            assert len(definition["x-fields"]) == len(definition["prefixItems"]), name
 
 
 def test_checked_in_schema_describes_the_events_as_sent() -> None:

@@ -70,6 +70,8 @@ class BillingRecord(msgspec.Struct, frozen=True):
     allocated_gpu_seconds: float = 0.0
     used_gpu_seconds: float = 0.0
     overcommitted: bool = False  # the GPU's shares were scaled down to its observed time
+    # The record's schema version (1 = hami.billing.v1, schemas/billing.schema.json).
+    version: int = 1
 
 
 class Gauge(msgspec.Struct, frozen=True):

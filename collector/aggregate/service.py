@@ -29,6 +29,8 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from ..events import UnknownSchemaVersion, decode
 from ..transport.locallog import CorruptCheckpointError, LogReader
+from ..transport.security import KafkaSecurity
+from .billing import Format, billing_message
 from .damage import CheckpointError, DamageReport
 from .health import HealthServer, Liveness
 from .records import BillingRecord, record_order
@@ -36,6 +38,7 @@ from .sinks import CsvSink, JsonlSink
 from .windows import Aggregator, WindowSettings
 
 if TYPE_CHECKING:
+    from ..transport.topics import TopicSpec
     from .otlp import OtlpExporter
 
 HEALTH_STALE_AFTER_S = 60.0  # longest the input loop may stay away before /healthz says 503
@@ -217,6 +220,12 @@ class AggregateSettings:
     health_port: int | None = None  # /healthz; None: off
     health_bind_address: str = "0.0.0.0"
     liveness: Liveness = field(default_factory=Liveness)
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
+    billing_format: Format = "json"
+    # Where a group with no committed offset starts: "earliest", "latest" or a time (unix ms).
+    start_from: str | int = "earliest"
+    # Checked at start (a warning per difference), when given.
+    topics: list[TopicSpec] = field(default_factory=list)
 
 
 def add_record(
@@ -399,7 +408,8 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     # The rebalance listener runs in aiokafka's task, which only logs what it raises.
     failed: list[CheckpointError] = []
     watch = DamageWatch(settings.stats.damage)
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka)
+    security = settings.security.client_kwargs
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka, **security())
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka,
         group_id=settings.group,
@@ -410,12 +420,14 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         # Static membership: a restarted replica gets its partitions back at once instead of
         # waiting for its dead predecessor's session to time out.
         group_instance_id=f"{settings.group}-{settings.instance}",
+        **security(),
     )
     producer = AIOKafkaProducer(
         bootstrap_servers=settings.kafka,
         transactional_id=f"{settings.group}-{settings.instance}",
         enable_idempotence=True,
         compression_type="gzip",
+        **security(),
     )
 
     class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -434,7 +446,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             if not assigned:
                 return
             committed = await committed_offsets(admin, settings.group, list(assigned))
-            begins = await consumer.beginning_offsets(list(assigned))
+            fresh = await start_offsets(consumer, list(assigned), settings.start_from)
             for tp in assigned:
                 om = committed.get(tp)
                 try:
@@ -445,20 +457,19 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     return
                 if om is not None and om.metadata and outputs is not None:
                     outputs.learn(meta)
-                start = om.offset if om is not None and om.offset >= 0 else begins[tp]
+                start = om.offset if om is not None and om.offset >= 0 else fresh[tp]
                 consumer.seek(tp, start)
                 positions[tp] = start
                 aggs[tp] = Aggregator(settings.window, emitted_until_ms=meta.emitted_until_ms)
 
     async def publish(outputs: Outputs, records: list[BillingRecord]) -> None:
         """Files first (cut back on restart), then records and offsets in one transaction."""
-        from .records import to_msgpack
-
         outputs.write(records)
         await producer.begin_transaction()
         try:
             for r in records:
-                await producer.send(settings.billing_topic, to_msgpack(r), key=r.node.encode())
+                key, value, headers = billing_message(r, settings.billing_format)
+                await producer.send(settings.billing_topic, value, key=key, headers=headers)
             offsets = {}
             for tp, agg in aggs.items():
                 meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
@@ -470,10 +481,14 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             await producer.abort_transaction()
             raise
 
-    consumer.subscribe([settings.topic], listener=Rebalance())
     outputs: Outputs | None = None
     try:
-        await wait_for_broker(settings.kafka, settings.start_timeout_s)
+        await wait_for_broker(settings.kafka, settings.start_timeout_s, settings.security)
+        consumer.subscribe([settings.topic], listener=Rebalance())
+        if settings.topics:
+            from ..transport.topics import warn_on_mismatch
+
+            await warn_on_mismatch(settings.kafka, settings.security, settings.topics)
         await admin.start()
         await producer.start()
         await consumer.start()
@@ -565,6 +580,17 @@ async def committed_offsets(admin: Any, group: str, tps: list[Any] | None) -> di
             if tps is not None and any(tp not in found for tp in tps):
                 raise CheckpointUnavailable(f"no committed offsets for group {group} yet")
     return dict(found)
+
+
+async def start_offsets(consumer: Any, tps: list[Any], start_from: str | int) -> dict[Any, int]:
+    """Where each partition starts for a group that has committed nothing there."""
+    if start_from == "earliest":
+        return dict(await consumer.beginning_offsets(tps))
+    ends: dict[Any, int] = await consumer.end_offsets(tps)
+    if start_from == "latest":
+        return ends
+    found = await consumer.offsets_for_times({tp: int(start_from) for tp in tps})
+    return {tp: found[tp].offset if found.get(tp) else ends[tp] for tp in tps}
 
 
 async def _caught_up(consumer: Any, ends: dict[Any, int]) -> bool:

@@ -200,6 +200,7 @@ class Collector:
             appended=self.status.appended,
             dropped=self.status.dropped,
             spool_depth=self.spool_depth(),
+            kafka_refused=dict(self.forwarder.stats.refused) if self.forwarder else {},
             seconds_since_scan=time.monotonic() - self._last_scan,
             log_blocked=self.status.log_blocked,
             log_blocked_episodes=self.log.stats.blocked_episodes,

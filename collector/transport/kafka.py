@@ -12,21 +12,24 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
+    retry_if_exception,
     retry_if_exception_type,
     stop_after_delay,
     wait_exponential,
 )
 
 from .locallog import LocalLog, LogReader
+from .security import KafkaSecurity, Refusal, classify
+from .topics import TopicSpec, warn_on_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,9 @@ class ProducerSettings:
     compression: str = "gzip"
     request_timeout_ms: int = 10_000
     batch_records: int = 1000
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
+    # The topic as `[topics]` plans it: checked once connected, a warning per difference.
+    expect: tuple[TopicSpec, ...] = ()
 
 
 @dataclass
@@ -48,6 +54,9 @@ class ForwarderStats:
     sent: int = 0
     send_failures: int = 0
     reconnects: int = 0
+    # Failures retrying cannot fix (credentials, certificates, ACLs), by kind: the collector
+    # keeps its events spooled and retries, so that fixing the Secret or ACL is enough.
+    refused: dict[str, int] = field(default_factory=dict)
 
 
 class QuietRetries(logging.Filter):
@@ -78,27 +87,78 @@ class QuietRetries(logging.Filter):
 
 
 class BrokerUnreachable(Exception):
-    """No broker answered within the start-up timeout; the message is one line for stderr."""
+    """No broker answered within the start-up timeout, or one refused us (credentials,
+    certificate, ACL); the message is one line for stderr."""
 
 
-async def wait_for_broker(bootstrap: str, timeout_s: float) -> None:
-    """Wait until the cluster answers a metadata request (a broker may still be starting
-    during a rollout), retrying with backoff; BrokerUnreachable after `timeout_s`."""
+class KafkaRefused(KafkaError):  # type: ignore[misc]
+    """The broker refused this client for a reason retrying cannot fix; str() is one line."""
+
+    def __init__(self, server: str, refusal: Refusal) -> None:
+        super().__init__(f"{server}: {refusal}")
+        self.refusal = refusal
+
+
+async def probe(bootstrap: str, security: KafkaSecurity, timeout_ms: int = 5000) -> None:
+    """Connect to a bootstrap server the way the clients do (TLS handshake, SASL) and raise
+    KafkaRefused with the real reason when it refuses us. aiokafka's own clients report every
+    such failure as "Unable to bootstrap", with the reason only in a log line."""
+    from aiokafka.conn import create_conn
+
+    kwargs = security.client_kwargs()
+    last: BaseException | None = None
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            conn = await create_conn(
+                host.strip("[]"),
+                int(port),
+                request_timeout_ms=timeout_ms,
+                ssl_context=kwargs.get("ssl_context"),
+                security_protocol=kwargs["security_protocol"],
+                sasl_mechanism=kwargs.get("sasl_mechanism", "PLAIN"),
+                sasl_plain_username=kwargs.get("sasl_plain_username"),
+                sasl_plain_password=kwargs.get("sasl_plain_password"),
+            )
+        except (OSError, TimeoutError, KafkaError) as exc:
+            refusal = classify(exc)
+            if refusal is not None:
+                raise KafkaRefused(server, refusal) from None
+            last = exc
+            continue
+        conn.close()
+        return
+    raise KafkaConnectionError(f"no answer from {bootstrap}: {last!r}")
+
+
+def _retriable(exc: BaseException) -> bool:
+    return isinstance(exc, KafkaError) and not isinstance(exc, KafkaRefused)
+
+
+async def wait_for_broker(bootstrap: str, timeout_s: float, security: KafkaSecurity) -> None:
+    """Wait until the cluster answers (a broker may still be starting during a rollout),
+    retrying with backoff; BrokerUnreachable after `timeout_s`, or at once when the broker
+    refuses our credentials or certificate."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     try:
         async for attempt in AsyncRetrying(
             stop=stop_after_delay(timeout_s),
             wait=wait_exponential(multiplier=0.2, max=5),
-            retry=retry_if_exception_type(KafkaError),
+            retry=retry_if_exception(_retriable),
             reraise=True,
         ):
             with attempt:
-                probe = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+                await probe(bootstrap, security)
+                admin = AIOKafkaAdminClient(
+                    bootstrap_servers=bootstrap, request_timeout_ms=5000, **security.client_kwargs()
+                )
                 try:
-                    await probe.start()
+                    await admin.start()
                 finally:
-                    await probe.close()
+                    await admin.close()
+    except KafkaRefused as exc:
+        raise BrokerUnreachable(f"Kafka refused {security.describe()} at {exc.args[0]}") from None
     except KafkaError as exc:
         detail = f"no Kafka broker at {bootstrap} after {timeout_s:.0f} s: {exc}"
         raise BrokerUnreachable(detail) from None
@@ -112,17 +172,13 @@ def make_producer(s: ProducerSettings) -> AIOKafkaProducer:
         compression_type=s.compression,
         request_timeout_ms=s.request_timeout_ms,
         client_id="hami-usage-collector",
+        **s.security.client_kwargs(),
     )
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
-
-
-def _log_retry(state: RetryCallState) -> None:
-    error = state.outcome.exception() if state.outcome is not None else None
-    log.warning("kafka unreachable, retrying: %r", error)
 
 
 class KafkaForwarder:
@@ -138,6 +194,20 @@ class KafkaForwarder:
         committed = self.reader.committed(FORWARDER_GROUP)
         self._offset = committed[0] if committed else spool.first_offset
 
+    def _log_retry(self, state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        refusal = error.refusal if isinstance(error, KafkaRefused) else None
+        if refusal is None and error is not None:
+            refusal = classify(error)
+        if refusal is not None:
+            self._count_refused(refusal)
+            log.error("kafka refused the collector, retrying: %s", refusal)
+        else:
+            log.warning("kafka unreachable, retrying: %r", error)
+
+    def _count_refused(self, refusal: Refusal) -> None:
+        self.stats.refused[refusal.kind] = self.stats.refused.get(refusal.kind, 0) + 1
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -151,9 +221,10 @@ class KafkaForwarder:
         async for attempt in AsyncRetrying(
             wait=wait_exponential(multiplier=0.2, max=5),
             retry=retry_if_exception_type(KafkaError),
-            before_sleep=_log_retry,
+            before_sleep=self._log_retry,
         ):
             with attempt:
+                await probe(self.settings.bootstrap, self.settings.security)
                 producer = make_producer(self.settings)
                 try:
                     await producer.start()
@@ -163,6 +234,9 @@ class KafkaForwarder:
         self._producer = producer
         self.connected = True
         self.stats.reconnects += 1
+        if self.stats.reconnects == 1 and self.settings.expect:
+            s = self.settings
+            await warn_on_mismatch(s.bootstrap, s.security, list(s.expect))
         return producer
 
     async def _drop_producer(self) -> None:
@@ -190,7 +264,12 @@ class KafkaForwarder:
                 acked = r.offset + 1
         except KafkaError as exc:
             self.stats.send_failures += 1
-            log.warning("kafka send failed after %d records: %s", acked - self._offset, exc)
+            refusal = classify(exc)
+            if refusal is not None:
+                self._count_refused(refusal)
+                log.error("kafka refused the collector, retrying: %s", refusal)
+            else:
+                log.warning("kafka send failed after %d records: %s", acked - self._offset, exc)
             # The rest of the batch fails too; take their errors so asyncio does not log
             # "exception was never retrieved" once per record.
             for fut in futures:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Kind = Literal["gauge", "counter"]
-Scope = Literal["container", "gpu", "mig", "health", "kube", "build"]
+Scope = Literal["container", "gpu", "mig", "health", "kafka", "kube", "build"]
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,12 @@ OWN: tuple[Metric, ...] = (
     Metric(
         "hami_usage_log_write_errors_total", "counter", "errors", "health", (),
         "failed writes to the local log (each retried)", _get("log_write_errors"),
+    ),
+    Metric(
+        "hami_usage_kafka_refused_total", "counter", "refusals", "kafka", ("reason",),
+        "times Kafka refused the collector, which retries: reason authentication (credentials), "
+        "certificate (broker not trusted), tls (handshake refused), authorization (an ACL)",
+        _get("count"),
     ),
     Metric(
         "hami_usage_unnamed_containers", "gauge", "containers", "kube", (),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -49,6 +49,8 @@ class Health:
     clock_steps: int = 0  # steps of the wall clock absorbed (node/clock.py)
     clock_offset_ms: int = 0  # wall clock - event time as of the last step
     kube: KubeHealth | None = None  # None: the pod watch is off
+    # Times Kafka refused the collector (credentials, certificate, ACL), by reason.
+    kafka_refused: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def log_blocked_now(self) -> int:
@@ -213,10 +215,17 @@ def families(scrape: Scrape) -> list[Metric]:
     for context, dev in _gpu_series(scrape):
         add("gpu", context, dev)
     add("health", {}, scrape.health)
+    for reason, count in sorted(scrape.health.kafka_refused.items()):
+        add("kafka", {"reason": reason}, _Count(count))
     if scrape.health.kube is not None:
         add("kube", {}, scrape.health.kube)
     add("build", _build_context(), None)
     return list(out.values())
+
+
+@dataclass(frozen=True)
+class _Count:
+    count: int
 
 
 class ScrapeCollector(Collector):

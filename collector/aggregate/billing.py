@@ -1,0 +1,58 @@
+"""The billing topic's wire format: one record per message, for any consumer.
+
+Value: the record as a JSON object (`BillingRecord`, every field, `version` 1), or msgpack with
+the same field names when `billing_format = "msgpack"`. Key: `record_id`, so the compacted topic
+keeps one message per record however often it is published again. Headers say what the value is:
+`content-type` and `schema`. `schemas/billing.schema.json` is generated from the record type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+from .records import BillingRecord, to_msgpack
+
+SCHEMA_NAME: Final = "hami.billing.v1"
+Format = Literal["json", "msgpack"]
+CONTENT_TYPES: Final[dict[str, bytes]] = {
+    "json": b"application/json",
+    "msgpack": b"application/msgpack",
+}
+
+_json_encoder: Final = msgspec.json.Encoder()
+_json_decoder: Final = msgspec.json.Decoder(BillingRecord)
+
+
+def billing_message(
+    record: BillingRecord, fmt: Format = "json"
+) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    """(key, value, headers) of the message that carries `record`."""
+    value = _json_encoder.encode(record) if fmt == "json" else to_msgpack(record)
+    headers = [("content-type", CONTENT_TYPES[fmt]), ("schema", SCHEMA_NAME.encode())]
+    return record.record_id.encode(), value, headers
+
+
+def decode_billing(value: bytes) -> BillingRecord:
+    """A billing value in either format (JSON starts with `{`, a msgpack map never does)."""
+    if value[:1] == b"{":
+        return _json_decoder.decode(value)
+    return msgspec.msgpack.decode(value, type=BillingRecord)
+
+
+def json_schema() -> dict[str, Any]:
+    """The published JSON Schema of a billing message value (schemas/billing.schema.json)."""
+    schema: dict[str, Any] = msgspec.json.schema(BillingRecord)
+    record = schema["$defs"]["BillingRecord"]
+    # Every field is always sent (defaults included), so a consumer may rely on each of them.
+    record["required"] = list(BillingRecord.__struct_fields__)
+    record["additionalProperties"] = False
+    record["properties"]["version"]["const"] = 1
+    schema["title"] = SCHEMA_NAME
+    schema["description"] = (
+        "One billing record per Kafka message on the billing topic, keyed by record_id; "
+        "headers content-type: application/json and schema: hami.billing.v1. "
+        + " ".join((BillingRecord.__doc__ or "").split())
+    )
+    return schema

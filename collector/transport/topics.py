@@ -1,0 +1,231 @@
+"""The usage and billing topics as they should be: provisioned, never auto-created.
+
+`hami-usage topics` prints the plan, and with `--apply` creates what is missing; every service
+checks the topics it uses at start and warns about each difference (never fails on one: the
+operator may have good reasons, and billing must not stop for a retention setting).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from .security import KafkaSecurity
+
+log = logging.getLogger(__name__)
+
+DAY_MS = 86_400_000
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    replication_factor: int
+    configs: dict[str, str]
+
+    def line(self) -> str:
+        configs = " ".join(f"{k}={v}" for k, v in sorted(self.configs.items()))
+        return (
+            f"{self.name}: partitions={self.partitions} "
+            f"replication.factor={self.replication_factor} {configs}"
+        )
+
+
+@dataclass(frozen=True)
+class TopicPlan:
+    """What `[topics]` says the two topics should be."""
+
+    usage_topic: str
+    billing_topic: str
+    usage_partitions: int
+    billing_partitions: int
+    replication_factor: int
+    min_insync_replicas: int
+    usage_retention_days: float
+
+    def usage(self) -> TopicSpec:
+        # Retention covers the replay horizon: `replay` can recompute any range inside it.
+        return TopicSpec(
+            self.usage_topic,
+            self.usage_partitions,
+            self.replication_factor,
+            {
+                "cleanup.policy": "delete",
+                "retention.ms": str(round(self.usage_retention_days * DAY_MS)),
+                "min.insync.replicas": str(self.min_insync_replicas),
+            },
+        )
+
+    def billing(self) -> TopicSpec:
+        # Keyed by record_id and compacted: a record published again (a new consumer group,
+        # a replay) collapses to one message; nothing is ever deleted by age.
+        return TopicSpec(
+            self.billing_topic,
+            self.billing_partitions,
+            self.replication_factor,
+            {
+                "cleanup.policy": "compact",
+                "retention.ms": "-1",
+                "min.insync.replicas": str(self.min_insync_replicas),
+            },
+        )
+
+    def specs(self) -> list[TopicSpec]:
+        return [self.usage(), self.billing()]
+
+
+@dataclass(frozen=True)
+class TopicState:
+    partitions: int
+    replication_factor: int
+    configs: dict[str, str]
+
+
+def differences(spec: TopicSpec, state: TopicState | None) -> list[str]:
+    """One line per way `state` differs from `spec`; ["missing"] when there is no topic."""
+    if state is None:
+        return ["missing"]
+    out = []
+    if state.partitions != spec.partitions:
+        out.append(f"partitions={state.partitions}, want {spec.partitions}")
+    if state.replication_factor != spec.replication_factor:
+        out.append(f"replication.factor={state.replication_factor}, want {spec.replication_factor}")
+    for key, want in sorted(spec.configs.items()):
+        have = state.configs.get(key)
+        if have != want:
+            out.append(f"{key}={have}, want {want}")
+    min_isr = state.configs.get("min.insync.replicas", "1")
+    if min_isr.isdigit() and int(min_isr) > state.replication_factor:
+        # Then every acks=all write fails with NotEnoughReplicas, retried for ever.
+        out.append(
+            f"min.insync.replicas={min_isr} > replication.factor={state.replication_factor}: "
+            "no write can succeed (NotEnoughReplicas)"
+        )
+    return out
+
+
+async def describe(admin: Any, names: list[str]) -> dict[str, TopicState | None]:
+    """The current partitions, replication factor and configs of `names` (None: no topic)."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    existing = set(await admin.list_topics())
+    out: dict[str, TopicState | None] = {name: None for name in names}
+    present = [n for n in names if n in existing]
+    if not present:
+        return out
+    metadata = {t["topic"]: t for t in await admin.describe_topics(present)}
+    responses = await admin.describe_configs(
+        [ConfigResource(ConfigResourceType.TOPIC, name) for name in present]
+    )
+    configs: dict[str, dict[str, str]] = {}
+    for response in responses:
+        for resource in response.resources:
+            # (error_code, error_message, resource_type, resource_name, config_entries); an
+            # entry starts (name, value, ...).
+            configs[resource[3]] = {entry[0]: entry[1] for entry in resource[4]}
+    for name in present:
+        partitions = metadata[name]["partitions"]
+        replicas = max((len(p["replicas"]) for p in partitions), default=0)
+        out[name] = TopicState(len(partitions), replicas, configs.get(name, {}))
+    return out
+
+
+async def create_missing(admin: Any, specs: list[TopicSpec]) -> list[str]:
+    """Create the topics of `specs` that do not exist; returns the names created."""
+    from aiokafka.admin import NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError, for_code
+
+    response = await admin.create_topics(
+        [
+            NewTopic(s.name, s.partitions, s.replication_factor, topic_configs=s.configs)
+            for s in specs
+        ]
+    )
+    created = []
+    for name, code, *rest in response.topic_errors:
+        error = for_code(code)
+        if code == 0:
+            created.append(name)
+        elif error is not TopicAlreadyExistsError:
+            message = rest[0] if rest and rest[0] else ""
+            raise error(f"create topic {name}: {message}".rstrip(": "))
+    return created
+
+
+def admin_client(bootstrap: str, security: KafkaSecurity) -> Any:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    return AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap,
+        request_timeout_ms=10_000,
+        client_id="hami-usage-topics",
+        **security.client_kwargs(),
+    )
+
+
+async def check(
+    bootstrap: str, security: KafkaSecurity, specs: list[TopicSpec]
+) -> dict[str, list[str]]:
+    """Differences per topic name, for `specs`."""
+    admin = admin_client(bootstrap, security)
+    await admin.start()
+    try:
+        states = await describe(admin, [s.name for s in specs])
+    finally:
+        await admin.close()
+    return {s.name: differences(s, states[s.name]) for s in specs}
+
+
+async def warn_on_mismatch(bootstrap: str, security: KafkaSecurity, specs: list[TopicSpec]) -> int:
+    """A service's start-up check: one warning per difference, never an exception. Returns the
+    number of differences found (-1: the check itself could not run)."""
+    try:
+        found = await check(bootstrap, security, specs)
+    except Exception as exc:  # a check, not a gate: any failure is a warning
+        log.warning("could not check the Kafka topics (%s: %s)", type(exc).__name__, exc)
+        return -1
+    count = 0
+    for name, diffs in found.items():
+        for diff in diffs:
+            count += 1
+            log.warning(
+                "topic %s: %s (see `hami-usage topics`); going on with the topic as it is",
+                name,
+                diff,
+            )
+    return count
+
+
+async def apply_plan(
+    bootstrap: str, security: KafkaSecurity, plan: TopicPlan, apply: bool, out: TextIO
+) -> bool:
+    """`hami-usage topics`: print the plan and each topic's state; with `apply`, create the
+    missing ones first. Existing topics are never changed (a partition count cannot shrink
+    and a config change is the operator's call): their differences are printed. True when
+    every topic is as planned."""
+    from .kafka import wait_for_broker
+
+    await wait_for_broker(bootstrap, 10.0, security)
+    specs = plan.specs()
+    admin = admin_client(bootstrap, security)
+    await admin.start()
+    try:
+        if apply:
+            for name in await create_missing(admin, specs):
+                out.write(f"created {name}\n")
+        states = await describe(admin, [s.name for s in specs])
+    finally:
+        await admin.close()
+    ok = True
+    for spec in specs:
+        diffs = differences(spec, states[spec.name])
+        out.write(f"want {spec.line()}\n")
+        if diffs:
+            ok = False
+            for diff in diffs:
+                out.write(f"  differs: {diff}\n")
+        else:
+            out.write("  ok\n")
+    return ok

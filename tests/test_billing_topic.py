@@ -1,0 +1,218 @@
+"""The billing topic for any consumer, provisioned topics, and where a fresh group starts,
+against the real (plaintext) broker; kcat is the consumer that knows nothing of this project."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import jsonschema
+import pytest
+from streams import (
+    WINDOW_FLAGS,
+    build,
+    consume_plain,
+    final_report,
+    hami,
+    produce,
+    read_csv,
+    recent_t0,
+)
+
+from collector.aggregate.records import iso_utc
+
+pytestmark = pytest.mark.kafka
+
+REPO = Path(__file__).resolve().parent.parent
+BILLING_SCHEMA = json.loads((REPO / "schemas" / "billing.schema.json").read_text())
+DAY_MS = 86_400_000
+
+
+def kcat() -> str:
+    """kcat, installed by the repository's installer when missing (never skipped)."""
+    if shutil.which("kcat") is None:
+        subprocess.run(["bash", str(REPO / "scripts" / "install-debs.sh")], check=True)
+    path = shutil.which("kcat")
+    assert path, "scripts/install-debs.sh did not install kcat"
+    return path
+
+
+def readme_command(topic_kind: str) -> str:
+    """The kcat command line of the README's "Consuming the billing topic" for a topic."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Consuming the billing topic", 1)[1].split("\n## ", 1)[0]
+    lines = [ln for ln in section.splitlines() if ln.startswith("kcat ") and topic_kind in ln]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def run_readme(command: str, bootstrap: str, topic: str, default_topic: str) -> bytes:
+    assert "localhost:9092" in command and default_topic in command
+    line = command.replace("localhost:9092", bootstrap).replace(default_topic, topic)
+    kcat()
+    # As a user runs it: `hami-usage` on the PATH (the venv's bin).
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    proc = subprocess.run(
+        ["bash", "-c", line],
+        capture_output=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PATH": path},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def topic_flags(bootstrap: str, usage: str, billing: str, partitions: int = 2) -> list[str]:
+    return [
+        "--kafka", bootstrap, "--topic", usage, "--billing-topic", billing,
+        "--usage-partitions", str(partitions), "--billing-partitions", "1",
+        "--replication-factor", "1", "--min-insync-replicas", "1",
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def names(kafka_bootstrap: str) -> dict[str, str]:
+    suffix = uuid.uuid4().hex[:10]
+    return {"usage": f"hami.usage.t-{suffix}", "billing": f"hami.billing.t-{suffix}"}
+
+
+def test_topics_prints_creates_and_checks(kafka_bootstrap: str, names: dict[str, str]) -> None:
+    flags = topic_flags(kafka_bootstrap, names["usage"], names["billing"])
+    want_usage = (
+        f"want {names['usage']}: partitions=2 replication.factor=1 cleanup.policy=delete "
+        f"min.insync.replicas=1 retention.ms={400 * DAY_MS}\n"
+    )
+    want_billing = (
+        f"want {names['billing']}: partitions=1 replication.factor=1 cleanup.policy=compact "
+        "min.insync.replicas=1 retention.ms=-1\n"
+    )
+    before = hami("topics", *flags)
+    assert before.returncode == 1, before.stderr
+    missing = "  differs: missing\n"
+    assert before.stdout == want_usage + missing + want_billing + missing
+    applied = hami("topics", *flags, "--apply")
+    assert applied.returncode == 0, applied.stderr
+    assert applied.stdout == (
+        f"created {names['usage']}\ncreated {names['billing']}\n"
+        + want_usage + "  ok\n" + want_billing + "  ok\n"
+    )  # fmt: skip
+    again = hami("topics", *flags, "--apply")  # idempotent: creates nothing, checks
+    assert again.returncode == 0 and "created" not in again.stdout, again.stdout
+    other = hami("topics", *topic_flags(kafka_bootstrap, names["usage"], names["billing"], 3))
+    assert other.returncode == 1
+    assert "  differs: partitions=2, want 3\n" in other.stdout
+    bad = hami("topics", *flags, "--min-insync-replicas", "2")
+    assert bad.returncode == 2
+    assert bad.stderr == (
+        "hami-usage topics: --min-insync-replicas must not exceed --replication-factor\n"
+    )
+
+
+def test_billing_topic_for_any_consumer(
+    kafka_bootstrap: str, names: dict[str, str], tmp_path: Path
+) -> None:
+    created = hami(
+        "topics", *topic_flags(kafka_bootstrap, names["usage"], names["billing"]), "--apply"
+    )
+    assert created.returncode == 0, created.stdout + created.stderr
+    t0 = recent_t0(300)
+    msgs = build(tmp_path / "nodes", t0)
+    asyncio.run(produce(kafka_bootstrap, names["usage"], msgs))
+
+    def aggregate(group: str, *extra: str) -> tuple[list[str], str]:
+        csv = tmp_path / f"{group}.csv"
+        proc = hami(
+            "aggregate", "--kafka", kafka_bootstrap, "--topic", names["usage"],
+            "--billing-topic", names["billing"], "--group", f"{names['usage']}.{group}",
+            *WINDOW_FLAGS, "--csv", csv, "--drain", *extra,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return read_csv(csv), proc.stderr
+
+    first, stderr = aggregate("g1")
+    # The start-up check: the test topics are smaller than the default plan.
+    assert f"topic {names['usage']}: partitions=2, want 6" in stderr
+    assert first
+
+    # Plain consumers: kcat as the README says, and aiokafka without project code.
+    out = run_readme(
+        readme_command("hami.billing.v1"), kafka_bootstrap, names["billing"], "hami.billing.v1"
+    )
+    records = [json.loads(line) for line in out.decode().splitlines()]
+    for record in records:
+        jsonschema.validate(record, BILLING_SCHEMA)
+    assert {r["record_id"] for r in records} == {ln.split(",")[-2] for ln in first}
+    assert len(records) == len(first)
+    raw = asyncio.run(consume_plain(names["billing"], bootstrap_servers=kafka_bootstrap))
+    for m in raw:
+        assert m.key == json.loads(m.value)["record_id"].encode()
+        assert dict(m.headers) == {
+            "content-type": b"application/json",
+            "schema": b"hami.billing.v1",
+        }
+
+    # A second group re-bills the same usage: the same records, the same ids (the duplicate
+    # contract: consumers and compaction keep one per record_id).
+    second, _ = aggregate("g2")
+    assert sorted(second) == sorted(first)
+    again = asyncio.run(consume_plain(names["billing"], bootstrap_servers=kafka_bootstrap))
+    assert len(again) == 2 * len(records)
+    assert {m.key for m in again} == {m.key for m in raw}
+
+    # A fresh group that starts at the end bills nothing already there; one that starts at a
+    # time bills only from there on.
+    latest, stderr = aggregate("g3", "--start-from", "latest")
+    assert latest == [] and final_report(stderr)[0] == 0
+    cut = t0 + 3 * 60_000
+    later, _ = aggregate("g4", "--start-from", iso_utc(cut))
+    assert later and min(ln.split(",")[0] for ln in later) >= iso_utc(cut)
+    assert set(later) < set(first) | set(later)
+
+    # Usage events through kcat and `hami-usage decode`: every message, with field names.
+    decoded = run_readme(
+        readme_command("hami.usage.v1"), kafka_bootstrap, names["usage"], "hami.usage.v1"
+    )
+    events = [json.loads(line) for line in decoded.decode().splitlines()]
+    assert len(events) == len([m for m in msgs if m.event is not None])
+    kinds = {type(m.event).__name__ for m in msgs if m.event is not None}
+    assert {e["kind"] for e in events} == kinds
+    sample = next(e for e in events if e["kind"] == "UsageSample")
+    assert set(sample) == {"kind", "v", "inc", "seq", "ts", "cid", "rows"}
+    assert set(sample["rows"][0]) >= {"pid", "hostpid", "device", "total", "sm_util"}
+
+
+def test_start_from_is_checked(tmp_path: Path) -> None:
+    proc = hami("aggregate", "--kafka", "127.0.0.1:1", "--start-from", "yesterday")
+    assert proc.returncode == 2
+    assert re.fullmatch(
+        r"hami-usage aggregate: --start-from 'yesterday': not an ISO-8601 time "
+        r"\(or earliest, latest\)\n",
+        proc.stderr,
+    )
+
+
+def test_differences_name_each_mismatch_and_the_impossible_min_isr() -> None:
+    from collector.transport.topics import TopicPlan, TopicState, differences
+
+    plan = TopicPlan("u", "b", 6, 3, 3, 2, 400)
+    billing = plan.billing()
+    assert differences(billing, None) == ["missing"]
+    same = TopicState(3, 3, dict(billing.configs))
+    assert differences(billing, same) == []
+    # A single broker with a cluster default of min.insync.replicas=2: what makes acks=all
+    # writes fail with NotEnoughReplicas and aiokafka retry for ever.
+    auto = TopicState(3, 1, {"cleanup.policy": "delete", "min.insync.replicas": "2"})
+    assert differences(billing, auto) == [
+        "replication.factor=1, want 3",
+        "cleanup.policy=delete, want compact",
+        "retention.ms=None, want -1",
+        "min.insync.replicas=2 > replication.factor=1: no write can succeed (NotEnoughReplicas)",
+    ]

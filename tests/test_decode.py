@@ -1,0 +1,85 @@
+"""`hami-usage decode`: framed raw values -> JSON lines with field names (no broker needed)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import subprocess
+import sys
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_schema import EVENTS, sample_events
+
+from collector.aggregate.billing import billing_message
+from collector.aggregate.records import BillingRecord
+from collector.decode import decode_stream, named
+from collector.events import Event, encode
+
+
+def framed(values: list[bytes]) -> bytes:
+    return b"".join(struct.pack(">i", len(v)) + v for v in values)
+
+
+def run(data: bytes, framing: str = "length") -> tuple[int, list[object], str]:
+    out, err = io.BytesIO(), io.StringIO()
+    rc = decode_stream(io.BytesIO(data), out, err, framing)
+    return rc, [json.loads(x) for x in out.getvalue().splitlines()], err.getvalue()
+
+
+def record() -> BillingRecord:
+    return BillingRecord(
+        0, 60_000, "n1", "p", "c", "GPU-1", 1.5, 2.0, 0.0, 3.25, 0.0, 7, 60.0, 4, "ab"
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(EVENTS, max_size=5))
+def test_length_framed_events_decode_with_field_names(events: list[Event]) -> None:
+    rc, objects, err = run(framed([encode(e) for e in events]))
+    assert (rc, err) == (0, "")
+    assert objects == [json.loads(msgspec.json.encode(named(e))) for e in events]
+    for obj, e in zip(objects, events, strict=True):
+        assert isinstance(obj, dict)
+        assert list(obj) == ["kind", *e.__struct_fields__]
+        assert obj["kind"] == type(e).__name__
+
+
+def test_base64_lines_billing_and_nulls() -> None:
+    events = sample_events()
+    _, json_value, _ = billing_message(record(), "json")
+    _, packed, _ = billing_message(record(), "msgpack")
+    data = b"".join(base64.b64encode(v) + b"\n" for v in [encode(events[0]), json_value, packed])
+    rc, objects, err = run(data, "base64")
+    assert (rc, err) == (0, "")
+    assert objects[1] == objects[2] == json.loads(json_value)
+    assert objects[0]["kind"] == "ContainerAppeared"
+    # A null value (length -1, a tombstone) is skipped; JSON values one a line.
+    assert run(struct.pack(">i", -1) + framed([json_value]))[1] == [json.loads(json_value)]
+    assert run(json_value + b"\n" + json_value + b"\n", "lines")[1] == [json.loads(json_value)] * 2
+
+
+def test_bad_input_is_counted_never_guessed() -> None:
+    good = encode(sample_events()[1])
+    rc, objects, err = run(framed([good, b"\xc1junk", good]))
+    assert rc == 1 and len(objects) == 2
+    assert err.endswith("hami-usage decode: 2 decoded, 1 undecodable\n")
+    rc, objects, err = run(framed([good]) + b"\x00\x00\x01\x00abc")
+    assert rc == 1 and len(objects) == 1
+    assert err == "hami-usage decode: length framing: stream ends inside a value (3 of 256 bytes)\n"
+    rc, _, err = run(b"!!!\n", "base64")
+    assert rc == 1 and err.startswith("hami-usage decode: base64 framing: not base64")
+
+
+def test_the_command_reads_stdin() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "collector", "decode"],
+        input=framed([encode(e) for e in sample_events()]),
+        capture_output=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) == len(sample_events())
