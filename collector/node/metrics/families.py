@@ -215,12 +215,15 @@ def families(scrape: Scrape) -> list[Metric]:
     for context, dev in _gpu_series(scrape):
         add("gpu", context, dev)
     add("health", {}, scrape.health)
-    for reason, count in sorted(scrape.health.kafka_refused.items()):
-        add("kafka", {"reason": reason}, _Count(count))
+    for reason in REFUSAL_REASONS:  # every reason from the start: a counter that exists at 0
+        add("kafka", {"reason": reason}, _Count(scrape.health.kafka_refused.get(reason, 0)))
     if scrape.health.kube is not None:
         add("kube", {}, scrape.health.kube)
     add("build", _build_context(), None)
     return list(out.values())
+
+
+REFUSAL_REASONS = ("authentication", "certificate", "tls", "authorization")
 
 
 @dataclass(frozen=True)
