@@ -169,6 +169,7 @@ def test_kustomization_renders_the_expected_objects() -> None:
         ("ClusterRoleBinding", "hami-usage-collector"),
         ("DaemonSet", "hami-usage-collector"),
         ("StatefulSet", "hami-usage-aggregator"),
+        ("Job", "hami-usage-topics"),
         ("Service", "hami-usage-aggregator"),
         ("Deployment", "otel-collector"),
         ("Service", "otel-collector"),
@@ -507,6 +508,15 @@ def test_k8s_command_lines_parse_and_resolve(
     settings = settings_of(argv, env, _mounted_files(spec, container))
     bootstrap = config_maps()["hami-usage-config"]["kafka-bootstrap"]
     assert settings.kafka == bootstrap
+    if container["name"] != "topics":  # every service mounts its own Kafka Secret, optionally
+        kafka = next(m for m in container["volumeMounts"] if m["name"] == "kafka")
+        assert kafka["mountPath"] == "/etc/hami-usage-kafka" and kafka["readOnly"] is True
+    secret = next(v["secret"] for v in spec["volumes"] if v["name"] == "kafka")
+    assert secret["optional"] is True and secret["secretName"].startswith("hami-usage-kafka-")
+    if isinstance(settings, TopicsConfig):
+        assert argv[-1] == "--apply"
+        assert (settings.topic, settings.billing_topic) == ("hami.usage.v1", "hami.billing.v1")
+        return
     if isinstance(settings, CollectConfig):
         assert settings.root == "/usr/local/vgpu/containers"
         assert settings.log.startswith("/var/lib/hami-usage/")
@@ -646,7 +656,14 @@ def compose() -> dict[str, Any]:
 
 def test_compose_services_and_images() -> None:
     services = compose()["services"]
-    assert set(services) == {"kafka", "simulator", "collector", "aggregator", "otel-collector"}
+    assert set(services) == {
+        "kafka",
+        "topics",
+        "simulator",
+        "collector",
+        "aggregator",
+        "otel-collector",
+    }
     assert services["kafka"]["image"].startswith("apache/kafka:4.")
     for name in ("simulator", "collector", "aggregator"):
         assert services[name]["image"] == COMPOSE_IMAGE
@@ -676,6 +693,9 @@ def test_compose_volumes_and_dependencies() -> None:
     assert services["aggregator"]["depends_on"]["kafka"]["condition"] == "service_healthy"
     assert services["collector"]["depends_on"]["kafka"]["condition"] == "service_healthy"
     assert "otel-collector" in services["aggregator"]["depends_on"]
+    for name in ("collector", "aggregator"):  # the topics exist before either starts
+        condition = services[name]["depends_on"]["topics"]["condition"]
+        assert condition == "service_completed_successfully"
     otel_mounts = services["otel-collector"]["volumes"]
     assert otel_mounts == [
         "./deploy/otel-collector-config.yaml:/etc/otelcol-contrib/config.yaml:ro"
@@ -683,10 +703,19 @@ def test_compose_volumes_and_dependencies() -> None:
     assert services["otel-collector"]["command"] == ["--config=/etc/otelcol-contrib/config.yaml"]
 
 
-@pytest.mark.parametrize("service", ["simulator", "collector", "aggregator"])
+@pytest.mark.parametrize("service", ["simulator", "topics", "collector", "aggregator"])
 def test_compose_command_lines_parse_and_resolve(service: str) -> None:
     svc = compose()["services"][service]
     argv = argv_of(svc.get("entrypoint"), svc["command"])
+    if argv[0] == "topics":
+        topics = settings_of(argv, svc["environment"], {})
+        assert (topics.kafka, topics.replication_factor, topics.min_insync_replicas) == (
+            "kafka:9092",
+            1,
+            1,
+        )
+        assert argv[-1] == "--apply"
+        return
     if argv[0] == "simulate":
         args = cli.build_parser().parse_args(argv)
         assert (args.root, args.containers, args.layout, args.duration) == (
