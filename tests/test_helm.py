@@ -109,6 +109,12 @@ def _strip(doc: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(doc)
     meta = out["metadata"]
     meta.pop("namespace", None)
+    # The topics Job is a Helm hook (re-created on each upgrade: its template is immutable).
+    hook = {k: v for k, v in meta.get("annotations", {}).items() if not k.startswith("helm.sh/")}
+    if hook:
+        meta["annotations"] = hook
+    else:
+        meta.pop("annotations", None)
     meta["labels"] = {k: v for k, v in meta.get("labels", {}).items() if k not in HELM_LABELS}
     template = out.get("spec", {}).get("template")
     if template:
