@@ -4,6 +4,7 @@ against the real (plaintext) broker; kcat is the consumer that knows nothing of 
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from streams import (
     recent_t0,
 )
 
-from collector.aggregate.records import iso_utc
+from collector.aggregate.records import CSV_FIELDS, iso_utc
 
 pytestmark = pytest.mark.kafka
 
@@ -68,6 +69,10 @@ def run_readme(command: str, bootstrap: str, topic: str, default_topic: str) -> 
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+def csv_rows(lines: list[str]) -> list[dict[str, str]]:
+    return list(csv.DictReader(lines, fieldnames=CSV_FIELDS))
 
 
 def topic_flags(bootstrap: str, usage: str, billing: str, partitions: int = 2) -> list[str]:
@@ -149,7 +154,7 @@ def test_billing_topic_for_any_consumer(
     records = [json.loads(line) for line in out.decode().splitlines()]
     for record in records:
         jsonschema.validate(record, BILLING_SCHEMA)
-    assert {r["record_id"] for r in records} == {ln.split(",")[-2] for ln in first}
+    assert {r["record_id"] for r in records} == {row["record_id"] for row in csv_rows(first)}
     assert len(records) == len(first)
     raw = asyncio.run(consume_plain(names["billing"], bootstrap_servers=kafka_bootstrap))
     for m in raw:

@@ -8,6 +8,7 @@ and jsonschema against schemas/billing.schema.json.
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import os
 import re
@@ -140,7 +141,8 @@ def check_billing_messages(messages: list[Any], csv_path: Path) -> None:
         }
         assert record["version"] == 1
         ids.add(record["record_id"])
-    csv_ids = {line.split(",")[-2] for line in csv_path.read_text().splitlines()[1:]}
+    with csv_path.open(newline="") as fh:
+        csv_ids = {row["record_id"] for row in csv.DictReader(fh)}
     assert ids == csv_ids
 
 

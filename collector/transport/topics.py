@@ -7,6 +7,7 @@ operator may have good reasons, and billing must not stop for a retention settin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -212,10 +213,16 @@ async def apply_plan(
     admin = admin_client(bootstrap, security)
     await admin.start()
     try:
-        if apply:
-            for name in await create_missing(admin, specs):
-                out.write(f"created {name}\n")
+        created = await create_missing(admin, specs) if apply else []
+        for name in created:
+            out.write(f"created {name}\n")
         states = await describe(admin, [s.name for s in specs])
+        # A topic just created reaches the brokers' metadata a moment later.
+        for _ in range(40):
+            if all(states[name] is not None for name in created):
+                break
+            await asyncio.sleep(0.25)
+            states = await describe(admin, [s.name for s in specs])
     finally:
         await admin.close()
     ok = True
