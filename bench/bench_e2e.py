@@ -130,11 +130,14 @@ def bootstrap_address() -> str:
     return proc.stdout.strip()
 
 
-async def produce(bootstrap: str, topic: str, events: list[tuple[str, Event]]) -> None:
+async def produce(
+    bootstrap: str, topic: str, events: list[tuple[str, Event]], **client: object
+) -> None:
+    """`client`: extra aiokafka arguments (security, collector/transport/security.py)."""
     from aiokafka import AIOKafkaProducer
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **client)
     await admin.start()
     try:
         await admin.create_topics([NewTopic(topic, 3, 1)])
@@ -146,6 +149,7 @@ async def produce(bootstrap: str, topic: str, events: list[tuple[str, Event]]) -
         linger_ms=50,
         compression_type="gzip",
         max_batch_size=256 * 1024,
+        **client,
     )
     await producer.start()
     try:
@@ -170,16 +174,24 @@ class Result:
         return self.rows / self.seconds
 
 
-async def ours(bootstrap: str, topic: str, messages: int, usage_rows: int) -> Result:
+async def ours(
+    bootstrap: str,
+    topic: str,
+    messages: int,
+    usage_rows: int,
+    group: str = "bench-ours",
+    **client: object,
+) -> Result:
     """The service's consumption path (collector/aggregate/service.py) without outputs."""
     from aiokafka import AIOKafkaConsumer
 
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
-        group_id=f"bench-ours-{uuid.uuid4().hex[:8]}",
+        group_id=f"{group}-{uuid.uuid4().hex[:8]}",
         enable_auto_commit=False,
         isolation_level="read_committed",
         auto_offset_reset="earliest",
+        **client,
     )
     consumer.subscribe([topic])
     await consumer.start()
