@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 
 from collector.aggregate.billing import decode_billing
-from collector.aggregate.records import CSV_FIELDS, BillingRecord, csv_row
+from collector.aggregate.records import CSV_FIELDS, BillingRecord, csv_row, record_order
 from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.events import (
     SCHEMA_VERSION,
@@ -293,8 +293,10 @@ def with_duplicates(msgs: list[Msg], every: int = 150, resend: int = 40) -> list
 # --- the reference -----------------------------------------------------------------------
 
 
-def sort_key(r: BillingRecord) -> tuple[int, str, str, str, str]:
-    return (r.window_start_ms, r.node, r.pod_uid, r.container, r.device_uuid)
+def sort_key(r: BillingRecord) -> tuple[int, str, str, str, str, int]:
+    # The record kind too: a GPU's `gpu` and `idle` rows share the rest, and billing messages
+    # (keyed by record_id) come back from several partitions in no particular order.
+    return record_order(r)
 
 
 def reference(
