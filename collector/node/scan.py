@@ -87,11 +87,18 @@ class Scanner:
         self.seq += 1
         return event
 
-    def announce(self, host: str, log: str, now_ms: int | None = None) -> Event:
-        """The incarnation's first event, `CollectorStarted` (seq 0 when called first)."""
-        self._ts = int(time.time() * 1000) if now_ms is None else now_ms
-        event: Event = self._stamp(CollectorStarted, host=host, pid=os.getpid(), log=log)
-        return event
+    def announce(self, host: str, log: str, now_ms: int | None = None) -> list[Event]:
+        """The incarnation's first event, `CollectorStarted` (seq 0 when called first), at the
+        event time scans use (see clock.py)."""
+        events: list[Event] = []
+        if now_ms is None:
+            self._ts, step = self.clock.now()
+            if step is not None:
+                events.append(self._clock_step(step))
+        else:
+            self._ts = now_ms
+        events.insert(0, self._stamp(CollectorStarted, host=host, pid=os.getpid(), log=log))
+        return events
 
     def heartbeat_now(self) -> None:
         """Make the next scan send a heartbeat (e.g. after events were dropped)."""

@@ -256,7 +256,7 @@ class Collector:
             )
         scans = 0
         try:
-            self._append([self.scanner.announce(socket.gethostname(), str(self.settings.log_dir))])
+            self._append(self.scanner.announce(socket.gethostname(), str(self.settings.log_dir)))
             next_at = time.monotonic()
             while not self.stopping.is_set():
                 events = await asyncio.to_thread(
