@@ -371,6 +371,58 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+        import pyarrow  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            f"hami-usage report: needs the report extra (pip install 'hami-usage[report]'): {exc}"
+        ) from None
+    from .report.bill import to_csv
+    from .report.command import ReportArgs, make_report, table_text
+    from .report.html import render
+    from .report.load import LoadError
+    from .report.prices import PriceError, Prices
+    from .report.summary import parse_by
+    from .transport.kafka import BrokerUnreachable
+
+    from_ms = _iso_ms("--from", args.from_, "report")
+    to_ms = _iso_ms("--to", args.to, "report")
+    if to_ms <= from_ms:
+        raise UsageError("hami-usage report: --to must be after --from")
+    if not (args.csv or args.jsonl or args.parquet or args.kafka):
+        raise UsageError("hami-usage report: give --csv, --jsonl, --parquet or --kafka")
+    try:
+        by = parse_by(args.by)
+        prices = Prices.load(Path(args.prices)) if args.prices else Prices()
+    except (ValueError, PriceError) as exc:
+        raise UsageError(f"hami-usage report: {exc}") from None
+    report_args = ReportArgs(
+        from_ms=from_ms,
+        to_ms=to_ms,
+        by=by,
+        prices=prices,
+        csv=[Path(x) for x in args.csv or []],
+        jsonl=[Path(x) for x in args.jsonl or []],
+        parquet=Path(args.parquet) if args.parquet else None,
+        kafka=args.kafka,
+        billing_topic=args.billing_topic,
+    )
+    try:
+        bill, summary = make_report(report_args)
+    except (LoadError, BrokerUnreachable) as exc:
+        print(f"hami-usage report: {exc}", file=sys.stderr)
+        return 1
+    if args.out_csv:
+        Path(args.out_csv).write_text(to_csv(bill))
+    if args.html:
+        title = f"GPU chargeback {args.from_} .. {args.to}"
+        Path(args.html).write_text(render(bill, summary, title))
+    sys.stdout.write(table_text(bill))
+    return 0
+
+
 def _cmd_schema(args: argparse.Namespace) -> int:
     from .aggregate import billing
     from .events import json_schema
@@ -416,6 +468,7 @@ def _cmd_aggregate(args: argparse.Namespace) -> int:
         log_dir=Path(cfg.log),
         csv=cfg.csv,
         jsonl=cfg.jsonl,
+        parquet=cfg.parquet,
         otlp=cfg.otlp,
         drain=cfg.drain,
         instance=cfg.instance,
@@ -553,6 +606,7 @@ REPLAY_FLAGS = [
 ]
 AGGREGATE_FLAGS = [
     *REPLAY_FLAGS,
+    "parquet",
     "billing_topic",
     "group",
     "otlp",
@@ -828,6 +882,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="FILE", help="append billing records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="append billing records as JSON Lines")
     p.add_argument(
+        "--parquet",
+        metavar="DIR",
+        help="also write billing records as Parquet, partitioned by day (for `report`)",
+    )
+    p.add_argument(
         "--otlp",
         metavar="URL",
         help="push OTLP metrics (http/protobuf), e.g. http://localhost:4318/v1/metrics",
@@ -938,6 +997,27 @@ def build_parser() -> argparse.ArgumentParser:
         "base64: one base64 value a line; lines: one raw value a line (JSON billing only)",
     )
     p.set_defaults(func=_cmd_decode)
+
+    p = sub.add_parser("report", help="chargeback over billing records: CSV, HTML with charts")
+    p.add_argument("--from", dest="from_", required=True, metavar="ISO", help="first window")
+    p.add_argument("--to", required=True, metavar="ISO", help="end, ISO-8601 (exclusive)")
+    p.add_argument("--csv", action="append", metavar="FILE", help="billing records (CSV)")
+    p.add_argument("--jsonl", action="append", metavar="FILE", help="billing records (JSONL)")
+    p.add_argument("--parquet", metavar="DIR", help="billing records (aggregate --parquet)")
+    p.add_argument("--kafka", metavar="BOOTSTRAP", help="read the billing topic")
+    p.add_argument(
+        "--billing-topic", default="hami.billing.v1", help="billing topic (default hami.billing.v1)"
+    )
+    p.add_argument(
+        "--by",
+        action="append",
+        metavar="DIM",
+        help="namespace (default), workload, pod, label:NAME, node, gpu-model; repeat to nest",
+    )
+    p.add_argument("--prices", metavar="FILE", help="prices.toml (default: every price 0)")
+    p.add_argument("--out-csv", metavar="FILE", help="write the bill as CSV")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with charts")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("schema", help="write the event and billing JSON Schemas (schemas/)")
     p.add_argument("--out", default="schemas", help="folder (default schemas)")

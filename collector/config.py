@@ -137,6 +137,7 @@ class ReplayConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_
 
 class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
     billing_topic: str = "hami.billing.v1"
+    parquet: str | None = None  # columnar billing sink, partitioned by day (the report extra)
     group: str = "hami-usage-aggregator"
     otlp: str | None = None  # e.g. http://otel-collector:4318/v1/metrics
     drain: bool = False

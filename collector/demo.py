@@ -1,7 +1,8 @@
 """`hami-usage demo`: the whole pipeline on one machine, with no broker and no GPU.
 
 simulator -> cache files -> collector -> local log (or Kafka) -> aggregator -> billing CSV,
-then a per-container table and the anomalies seen.
+then a per-container table, the anomalies seen, and the bill per namespace and pod at the demo
+prices (`DEMO_PRICES`) with its HTML report (`report.html`, `report` extra).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from .transport.security import KafkaSecurity
 
 GiB = float(1 << 30)
 NODE = "demo-node"
+# Without Kubernetes the demo's pods have no namespace: the bill shows them "(unnamed)".
+DEMO_PRICES = """
+currency = "USD"
+default = 2.00
+"""
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class DemoResult:
     truth: GroundTruth
     interval_ms: int
     damage: str = "damage: none"  # the aggregator's damage summary line
+    bill: str = ""  # the priced bill as a text table, or why there is none
 
 
 def _hostile_file(root: Path) -> None:
@@ -178,7 +185,30 @@ async def run_demo(s: DemoSettings) -> DemoResult:
     anomalies = _anomalies(log_dir)
     damage = agg.stats.damage.line()
     shutil.rmtree(work, ignore_errors=True)
-    return DemoResult(csv_path, rows, anomalies, truth, round(s.interval_s * 1000), damage)
+    bill = _bill(csv_path, rows, s.out)
+    return DemoResult(csv_path, rows, anomalies, truth, round(s.interval_s * 1000), damage, bill)
+
+
+def _bill(csv_path: Path, rows: list[dict[str, str]], out: Path) -> str:
+    """The bill of every window in the CSV, and report.html / bill.csv beside it."""
+    try:
+        from .report.bill import to_csv
+        from .report.command import ReportArgs, make_report, table_text
+        from .report.html import render
+        from .report.prices import Prices
+    except ImportError as exc:  # pragma: no cover - the report extra is not installed
+        return f"bill: needs the report extra ({exc})\n"
+    if not rows:
+        return "bill: no records\n"
+    from .report.load import iso_ms
+
+    first = min(iso_ms(r["window_start"]) for r in rows)
+    last = max(iso_ms(r["window_end"]) for r in rows)
+    args = ReportArgs(first, last, ["namespace", "pod"], Prices.parse(DEMO_PRICES), [csv_path], [])
+    bill, summary = make_report(args)
+    (out / "bill.csv").write_text(to_csv(bill))
+    (out / "report.html").write_text(render(bill, summary, "hami-usage demo: GPU chargeback"))
+    return table_text(bill) + f"HTML report: {out / 'report.html'}\n"
 
 
 async def _create_topics(bootstrap: str, security: KafkaSecurity, usage: str, billing: str) -> None:
@@ -200,6 +230,8 @@ def format_report(result: DemoResult) -> str:
     per: dict[tuple[str, str], dict[str, float]] = {}
     per_device: dict[tuple[tuple[str, str], str], list[float]] = {}
     for row in result.rows:
+        if row.get("kind", "container") != "container":
+            continue  # node rows and a GPU's own records: in the bill below
         key = (row["pod_uid"][:8] + "…", row["container"])
         acc = per.setdefault(key, {"gib_h": 0.0, "sm_h": 0.0, "peak": 0.0})
         acc["gib_h"] += float(row["memory_byte_seconds"]) / GiB / 3600
@@ -226,4 +258,5 @@ def format_report(result: DemoResult) -> str:
         f"  {kind:<24} {Path(path).parent.name[:28]}/…  {detail}"
         for kind, path, detail in result.anomalies
     ] or ["  none"]
+    lines += ["", "bill (per namespace and pod, USD 2.00 per GPU-hour):", result.bill.rstrip()]
     return "\n".join(lines) + "\n"

@@ -2,12 +2,15 @@
 # Debian packages the tests need, installed once, quietly (idempotent): faketime runs a real
 # collector with a stepped wall clock in tests/test_lifecycle_faketime.py; openssl makes the
 # secured test broker's certificates (scripts/kafka-secure.sh); kcat is the plain, non-Python
-# Kafka client of tests/test_billing_topic.py and the README's "Consuming the billing topic".
+# Kafka client of tests/test_billing_topic.py and the README's "Consuming the billing topic";
+# Debian's chromium opens the HTML chargeback report headless in tests/test_report.py
+# (fonts-dejavu-core: its text).
 set -euo pipefail
 need=()
 for tool in faketime openssl kcat; do
     command -v "$tool" >/dev/null 2>&1 || need+=("$tool")
 done
+command -v chromium >/dev/null 2>&1 || need+=(chromium fonts-dejavu-core)
 [[ ${#need[@]} -eq 0 ]] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then
     echo "install-debs.sh: apt-get not found; install: ${need[*]}" >&2

@@ -11,6 +11,6 @@ fi
 stamp=".venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
 if [[ ! -f "$stamp" ]]; then
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e '.[test]'
+    .venv/bin/python -m pip install -q -e '.[test,report]'
     touch "$stamp"
 fi

@@ -73,6 +73,7 @@ def test_every_subcommand_has_complete_help() -> None:
             "aggregate",
             "replay",
             "demo",
+            "report",
             "schema",
             "topics",
             "decode",

@@ -40,6 +40,7 @@ from .windows import Aggregator, WindowSettings
 if TYPE_CHECKING:
     from ..transport.topics import TopicSpec
     from .otlp import OtlpExporter
+    from .parquet import ParquetSink
 
 HEALTH_STALE_AFTER_S = 60.0  # longest the input loop may stay away before /healthz says 503
 
@@ -51,7 +52,8 @@ COMMIT_INTERVAL_S = 5.0
 class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
     """Commit metadata: end of the last emitted window and file-output lengths at that point:
     the committing replica's in `csv_bytes`/`jsonl_bytes`, every replica's (by `instance`) in
-    `replicas` as [csv_bytes, jsonl_bytes] (see `replicas`). A checkpoint without `replicas`
+    `replicas` as [csv_bytes, jsonl_bytes] or, with a Parquet sink, [csv_bytes, jsonl_bytes,
+    parquet_parts] (see `replicas`). A checkpoint without `replicas`
     was written before there were per-replica lengths: its lengths are the one replica's."""
 
     emitted_until_ms: int = 0
@@ -64,9 +66,14 @@ class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
         if not self.replicas:
             return self.csv_bytes, self.jsonl_bytes
         mine = self.replicas.get(instance)
-        if mine is None or len(mine) != 2:
+        if mine is None or len(mine) < 2:
             return None
         return mine[0], mine[1]
+
+    def parquet_of(self, instance: str) -> int | None:
+        """The committed Parquet part count of replica `instance`; None if it has none."""
+        mine = self.replicas.get(instance)
+        return mine[2] if mine is not None and len(mine) >= 3 else None
 
 
 def parse_checkpoint(text: str | None, where: str = "checkpoint") -> Checkpoint:
@@ -126,6 +133,7 @@ class Outputs:
 
     csv: CsvSink | None = None
     jsonl: JsonlSink | None = None
+    parquet: ParquetSink | None = None  # imported only when used: pyarrow is an extra
     otlp: OtlpExporter | None = None  # imported only when used: opentelemetry is slow to load
     written: int = 0
     instance: str = "0"
@@ -141,19 +149,26 @@ class Outputs:
         otlp: str | None,
         resume: Checkpoint | None,
         instance: str = "0",
+        parquet: str | None = None,
     ) -> Outputs:
         """resume: the last committed checkpoint; files are cut back to this replica's lengths
         in it. None (no checkpoint yet), or none of this replica's in it: files are appended
         to as they are."""
         out = cls(instance=instance)
-        out.open_files(csv, jsonl, resume)
+        out.open_files(csv, jsonl, resume, parquet)
         if otlp:
             from .otlp import OtlpExporter
 
             out.otlp = OtlpExporter(otlp)
         return out
 
-    def open_files(self, csv: str | None, jsonl: str | None, resume: Checkpoint | None) -> None:
+    def open_files(
+        self,
+        csv: str | None,
+        jsonl: str | None,
+        resume: Checkpoint | None,
+        parquet: str | None = None,
+    ) -> None:
         lengths = resume.lengths_of(self.instance) if resume is not None else None
         self.replicas = dict(resume.replicas) if resume is not None else {}
         self.first_start = lengths is None
@@ -161,6 +176,11 @@ class Outputs:
             self.csv = CsvSink(Path(csv), resume_at=lengths[0] if lengths else None)
         if jsonl:
             self.jsonl = JsonlSink(Path(jsonl), resume_at=lengths[1] if lengths else None)
+        if parquet:
+            from .parquet import ParquetSink
+
+            parts = resume.parquet_of(self.instance) if resume is not None else None
+            self.parquet = ParquetSink(parquet, instance=self.instance, resume_at=parts)
 
     def learn(self, checkpoint: Checkpoint) -> None:
         """Carry the other replicas' committed lengths forward (see `merge_checkpoints`)."""
@@ -169,13 +189,13 @@ class Outputs:
                 self.replicas[instance] = _longest(self.replicas.get(instance), lengths)
 
     def close_files(self) -> None:
-        for sink in (self.csv, self.jsonl):
+        for sink in (self.csv, self.jsonl, self.parquet):
             if sink is not None:
                 sink.close()
-        self.csv = self.jsonl = None
+        self.csv = self.jsonl = self.parquet = None
 
     def write(self, records: list[BillingRecord]) -> None:
-        for sink in (self.csv, self.jsonl):
+        for sink in (self.csv, self.jsonl, self.parquet):
             if sink is not None:
                 sink.write(records)
                 sink.flush()
@@ -193,6 +213,8 @@ class Outputs:
 
     def checkpoint(self, emitted_until_ms: int) -> Checkpoint:
         mine = [self.csv.tell() if self.csv else 0, self.jsonl.tell() if self.jsonl else 0]
+        if self.parquet is not None:
+            mine.append(self.parquet.tell())
         self.replicas[self.instance] = mine
         return Checkpoint(emitted_until_ms, mine[0], mine[1], dict(self.replicas))
 
@@ -212,6 +234,7 @@ class AggregateSettings:
     log_dir: Path
     csv: str | None = None
     jsonl: str | None = None
+    parquet: str | None = None
     otlp: str | None = None
     drain: bool = False
     instance: str = "0"
@@ -340,6 +363,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         settings.otlp,
         resume if committed else None,
         settings.instance,
+        settings.parquet,
     )
     if outputs.first_start:
         # First start of this group: commit where the files stand now, so a crash before the
@@ -507,7 +531,12 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             if om.metadata
         )
         outputs = Outputs.open(
-            settings.csv, settings.jsonl, settings.otlp, everything, settings.instance
+            settings.csv,
+            settings.jsonl,
+            settings.otlp,
+            everything,
+            settings.instance,
+            settings.parquet,
         )
         if outputs.first_start:
             # This replica's (or the group's) first start: commit where its files stand now,

@@ -1,0 +1,1 @@
+"""`hami-usage report`: chargeback over billing records - prices, groups, CSV and HTML."""

@@ -1,0 +1,159 @@
+"""Prices applied to a `Summary`: the bill, exact until the end.
+
+Every amount is an exact fraction (milliseconds × price per hour / 3 600 000 × adjustments)
+until it is shown: then each line's cost is rounded once, half-even, to the currency's cents,
+and so is the total of the exact amounts. The lines' rounded costs and the rounded total can
+differ by a few cents: that difference is the stated **rounding residue**, so that the lines
+plus the residue are the total to the cent. Without adjustments the total is exactly the GPUs'
+observed hours × their prices (every millisecond of a GPU is either allocated or idle).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
+from typing import Final
+
+from .prices import Prices
+from .summary import HOUR_MS, Summary
+
+__all__ = ["Bill", "Line", "make_bill", "money", "to_csv"]
+
+GIB: Final = 1 << 30
+
+
+def money(x: Fraction) -> Decimal:
+    """Half-even to the cent (Python's round of a Fraction is half-even)."""
+    return Decimal(round(x * 100)).scaleb(-2)
+
+
+def hours(ms: int | Fraction) -> Decimal:
+    """GPU-hours shown with six decimals (3.6 ms); the sums behind them are exact."""
+    return (Decimal(round(Fraction(ms) * 1_000_000 / HOUR_MS)) / 1_000_000).quantize(
+        Decimal("0.000001")
+    )
+
+
+@dataclass
+class Line:
+    kind: str  # group | idle
+    key: tuple[str, ...]  # the --by values (group) or (gpu model,) (idle)
+    allocated_ms: int
+    used_ms: int
+    memory_byte_seconds: float
+    list_cost: Fraction  # at the list price
+    cost: Fraction  # after the adjustments
+
+    @property
+    def efficiency(self) -> Decimal | None:
+        if not self.allocated_ms:
+            return None
+        return (Decimal(self.used_ms) / Decimal(self.allocated_ms)).quantize(Decimal("0.0001"))
+
+
+@dataclass
+class ModelRow:
+    """One GPU model's reconciliation: observed = allocated + idle, and its cost."""
+
+    model: str
+    price: Fraction
+    observed_ms: int
+    allocated_ms: int
+    idle_ms: int
+
+    @property
+    def balanced(self) -> bool:
+        return self.observed_ms == self.allocated_ms + self.idle_ms
+
+    @property
+    def observed_cost(self) -> Fraction:
+        return self.observed_ms * self.price / HOUR_MS
+
+
+@dataclass
+class Bill:
+    by: list[str]
+    currency: str
+    groups: list[Line]
+    idle: list[Line]
+    models: list[ModelRow]
+
+    @property
+    def lines(self) -> list[Line]:
+        return self.groups + self.idle
+
+    @property
+    def total(self) -> Fraction:
+        return sum((x.cost for x in self.lines), Fraction(0))
+
+    @property
+    def adjustments(self) -> Fraction:
+        return sum((x.cost - x.list_cost for x in self.lines), Fraction(0))
+
+    @property
+    def residue(self) -> Decimal:
+        """Rounded total minus the sum of the rounded lines."""
+        return money(self.total) - sum((money(x.cost) for x in self.lines), Decimal(0))
+
+
+def make_bill(summary: Summary, prices: Prices) -> Bill:
+    n = len(summary.by)
+    groups: dict[tuple[str, ...], Line] = {}
+    for k, (alloc, used, mem) in summary.groups.items():
+        dims, model, ns, labels = k[:n], k[n], k[n + 1], k[n + 2 :]
+        price = Fraction(prices.price(model))
+        factor = Fraction(prices.factor(ns, dict(zip(summary.label_keys, labels, strict=True))))
+        list_cost = int(alloc) * price / HOUR_MS
+        line = groups.get(dims)
+        if line is None:
+            line = groups[dims] = Line("group", dims, 0, 0, 0.0, Fraction(0), Fraction(0))
+        line.allocated_ms += int(alloc)
+        line.used_ms += int(used)
+        line.memory_byte_seconds += mem
+        line.list_cost += list_cost
+        line.cost += list_cost * factor
+    idle = []
+    models = []
+    for model, (observed, allocated, idle_ms, _) in sorted(summary.models.items()):
+        price = Fraction(prices.price(model))
+        cost = idle_ms * price / HOUR_MS
+        idle.append(Line("idle", (model,), idle_ms, 0, 0.0, cost, cost))
+        models.append(ModelRow(model, price, observed, allocated, idle_ms))
+    ordered = sorted(groups.values(), key=lambda x: (-x.cost, x.key))
+    return Bill(summary.by, prices.currency, ordered, idle, models)
+
+
+def csv_header(bill: Bill) -> list[str]:
+    dims = [d.replace("-", "_").replace(":", "_") for d in bill.by]
+    return [
+        "kind", *dims, "gpu_model", "gpu_hours_allocated", "gpu_hours_used", "efficiency",
+        "memory_gib_hours", "cost", "currency",
+    ]  # fmt: skip
+
+
+def to_csv(bill: Bill) -> str:
+    """One row per group, one idle row per GPU model, the rounding residue and the total."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(csv_header(bill))
+    blank = [""] * len(bill.by)
+    cur = bill.currency
+    for x in bill.groups:
+        eff = x.efficiency
+        w.writerow([
+            "group", *x.key, "", hours(x.allocated_ms), hours(x.used_ms),
+            "" if eff is None else eff, f"{x.memory_byte_seconds / GIB / 3600:.3f}",
+            money(x.cost), cur,
+        ])  # fmt: skip
+    for x in bill.idle:
+        w.writerow(
+            ["idle", *blank, x.key[0], hours(x.allocated_ms), "", "", "", money(x.cost), cur]
+        )
+    w.writerow(["rounding_residue", *blank, "", "", "", "", "", bill.residue, cur])
+    alloc = sum(x.allocated_ms for x in bill.lines)
+    used = sum(x.used_ms for x in bill.groups)
+    w.writerow(["total", *blank, "", hours(alloc), hours(used), "", "", money(bill.total), cur])
+    return buf.getvalue()

@@ -1,0 +1,192 @@
+"""The report as one self-contained HTML page: matplotlib charts inlined as SVG, tables, a
+stylesheet in the page; no script, no network, readable in any browser or mail client.
+
+Charts: GPU-hours per group over time (stacked), allocated against used per group, idle share
+per GPU, and the reconciliation table (per GPU model: observed = allocated + idle, its cost)."""
+
+from __future__ import annotations
+
+import html
+import io
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from .bill import Bill, hours, money
+from .summary import Summary
+
+__all__ = ["render"]
+
+TOP = 8  # groups drawn by name; the rest are "other"
+
+
+def _svg(fig: Any) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    plt.close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg") :]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.fonttype"] = "none"  # text stays text: small and searchable
+    plt.rcParams["svg.hashsalt"] = "hami-usage"  # the same ids every time
+    return plt
+
+
+def _name(key: str) -> str:
+    return key if key and key.strip("/") else "(unnamed)"
+
+
+def _over_time(summary: Summary) -> str:
+    import datetime as dt
+
+    plt = _pyplot()
+    per: dict[str, int] = defaultdict(int)
+    for (_, g), ms in summary.series.items():
+        per[g] += ms
+    top = [g for g, _ in sorted(per.items(), key=lambda x: -x[1])[:TOP]]
+    buckets = sorted({b for b, _ in summary.series})
+    stacks: dict[str, list[float]] = {g: [0.0] * len(buckets) for g in [*top, "other"]}
+    index = {b: i for i, b in enumerate(buckets)}
+    for (b, g), ms in summary.series.items():
+        stacks[g if g in top else "other"][index[b]] += ms / 3_600_000
+    if not any(stacks["other"]):
+        del stacks["other"]
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    xs = [dt.datetime.fromtimestamp(b / 1000, tz=dt.UTC) for b in buckets]
+    width = summary.bucket_ms / 86_400_000 * 0.9
+    bottom = [0.0] * len(buckets)
+    for g, ys in stacks.items():
+        ax.bar(xs, ys, width=width, bottom=bottom, label=_name(g), align="edge")
+        bottom = [a + b for a, b in zip(bottom, ys, strict=True)]
+    ax.set_ylabel("GPU-hours allocated")
+    ax.set_title(f"GPU-hours per {summary.by[0]} over time")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.autofmt_xdate()
+    return _svg(fig)
+
+
+def _allocated_vs_used(bill: Bill) -> str:
+    plt = _pyplot()
+    lines = bill.groups[:15]
+    labels = [_name(" / ".join(x.key)) for x in lines][::-1]
+    alloc = [x.allocated_ms / 3_600_000 for x in lines][::-1]
+    used = [x.used_ms / 3_600_000 for x in lines][::-1]
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(lines) + 1.2))
+    ys = range(len(lines))
+    ax.barh([y + 0.2 for y in ys], alloc, height=0.4, label="allocated")
+    ax.barh([y - 0.2 for y in ys], used, height=0.4, label="used")
+    ax.set_yticks(list(ys), labels, fontsize=8)
+    ax.set_xlabel("GPU-hours")
+    ax.set_title("Allocated against used, per group")
+    ax.legend(fontsize=8)
+    return _svg(fig)
+
+
+def _idle_share(summary: Summary) -> str:
+    plt = _pyplot()
+    shares = sorted(
+        (
+            (f"{node} {uuid[:12]}", idle / obs)
+            for (node, uuid, _), (obs, idle) in summary.gpus.items()
+            if obs
+        ),
+        key=lambda x: -x[1],
+    )
+    if len(shares) <= 40:
+        fig, ax = plt.subplots(figsize=(9, 0.3 * len(shares) + 1.2))
+        ax.barh([s[0] for s in shares][::-1], [100 * s[1] for s in shares][::-1], color="#999")
+        ax.set_xlabel("idle, % of observed time")
+        ax.set_xlim(0, 100)
+        ax.tick_params(axis="y", labelsize=7)
+    else:
+        fig, ax = plt.subplots(figsize=(9, 3))
+        ax.hist([100 * s[1] for s in shares], bins=20, range=(0, 100), color="#999")
+        ax.set_xlabel("idle, % of observed time")
+        ax.set_ylabel("GPUs")
+    ax.set_title(f"Idle share per GPU ({len(shares)} GPUs)")
+    return _svg(fig)
+
+
+def _table(head: list[str], rows: Sequence[Sequence[object]], cls: str) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows
+    )
+    return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+
+CSS = """
+body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:70em}
+table{border-collapse:collapse;margin:1em 0;font-size:.9em}
+td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}
+td:first-child,th:first-child{text-align:left}
+figure{margin:1.5em 0}svg{max-width:100%;height:auto}
+.ok{color:#080}.bad{color:#b00}
+"""
+
+
+def render(bill: Bill, summary: Summary, title: str) -> str:
+    cur = bill.currency
+    groups = [
+        [_name(" / ".join(x.key)), hours(x.allocated_ms), hours(x.used_ms),
+         "" if x.efficiency is None else x.efficiency, money(x.cost)]
+        for x in bill.groups
+    ]  # fmt: skip
+    groups += [
+        [f"idle: {_name(x.key[0])}", hours(x.allocated_ms), "", "", money(x.cost)]
+        for x in bill.idle
+    ]
+    groups.append(["rounding residue", "", "", "", bill.residue])
+    groups.append(["total", "", "", "", money(bill.total)])
+    recon = [
+        [_name(m.model), hours(m.observed_ms), hours(m.allocated_ms), hours(m.idle_ms),
+         "yes" if m.balanced else "NO", money(m.price), money(m.observed_cost)]
+        for m in bill.models
+    ]  # fmt: skip
+    head = [
+        "group (" + ", ".join(bill.by) + ")",
+        "GPU-h allocated",
+        "GPU-h used",
+        "efficiency",
+        f"cost ({cur})",
+    ]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p>{summary.rows} billing records. Costs are rounded once, half-even; the rounding "
+        "residue makes the lines add up to the total. "
+        f"Adjustments: {money(bill.adjustments)} {cur}.</p>",
+        "<h2>Bill</h2>",
+        _table(head, groups, "bill"),
+        "<h2>Reconciliation</h2><p>Per GPU model, every observed millisecond is either "
+        "allocated to a container or idle.</p>",
+        _table(
+            [
+                "GPU model",
+                "observed GPU-h",
+                "allocated GPU-h",
+                "idle GPU-h",
+                "balanced",
+                f"price ({cur}/GPU-h)",
+                f"observed cost ({cur})",
+            ],
+            recon,
+            "reconciliation",
+        ),  # fmt: skip
+        f'<figure id="chart-over-time">{_over_time(summary)}</figure>',
+        f'<figure id="chart-allocated-used">{_allocated_vs_used(bill)}</figure>',
+        f'<figure id="chart-idle">{_idle_share(summary)}</figure>',
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,128 @@
+"""Billing records for a report, as one Arrow table: from CSV or JSON Lines files, the billing
+topic, or a Parquet folder (`aggregate --parquet`), only the windows starting in [from, to).
+
+CSV, JSONL and Kafka records are decoded one by one with the record codecs; Parquet is read
+column-wise, only the columns the report needs, and only the day partitions of the range."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import typing
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..aggregate.columns import to_table
+from ..aggregate.records import CSV_FIELDS, BillingRecord
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["LoadError", "from_csv", "from_jsonl", "from_parquet", "from_records"]
+
+
+class LoadError(Exception):
+    """Input that cannot be read as billing records; one line."""
+
+
+def iso_ms(text: str) -> int:
+    when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return round(when.timestamp() * 1000)
+
+
+_HINTS = typing.get_type_hints(BillingRecord)
+_INT = {n for n, t in _HINTS.items() if t is int}
+_FLOAT = {n for n, t in _HINTS.items() if t is float}
+
+
+def _csv_record(row: dict[str, str]) -> BillingRecord:
+    obj: dict[str, Any] = {}
+    for name, text in row.items():
+        if name == "window_start":
+            obj["window_start_ms"] = iso_ms(text)
+        elif name == "window_end":
+            obj["window_end_ms"] = iso_ms(text)
+        elif name in _INT:
+            obj[name] = int(text)
+        elif name in _FLOAT:
+            obj[name] = float(text)
+        elif name == "labels":
+            obj[name] = msgspec.json.decode(text or "{}")
+        elif name == "overcommitted":
+            obj[name] = text == "true"
+        elif name in CSV_FIELDS:
+            obj[name] = text
+    return msgspec.convert(obj, BillingRecord)
+
+
+def _read_csv(path: Path) -> Iterator[BillingRecord]:
+    with path.open(newline="") as f:
+        for i, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                yield _csv_record(row)
+            except (ValueError, TypeError, msgspec.ValidationError, msgspec.DecodeError) as e:
+                raise LoadError(f"{path}:{i}: not a billing record: {e}") from None
+
+
+def _read_jsonl(path: Path) -> Iterator[BillingRecord]:
+    decoder = msgspec.json.Decoder(BillingRecord)
+    with path.open("rb") as f:
+        for i, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    yield decoder.decode(line)
+                except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                    raise LoadError(f"{path}:{i}: not a billing record: {e}") from None
+
+
+def from_records(records: Iterable[BillingRecord], from_ms: int, to_ms: int) -> pa.Table:
+    return to_table([r for r in records if from_ms <= r.window_start_ms < to_ms])
+
+
+def _open(path: Path) -> Path:
+    if not path.is_file():
+        raise LoadError(f"{path}: no such file")
+    return path
+
+
+def from_csv(paths: Iterable[Path], from_ms: int, to_ms: int) -> pa.Table:
+    return from_records((r for p in paths for r in _read_csv(_open(p))), from_ms, to_ms)
+
+
+def from_jsonl(paths: Iterable[Path], from_ms: int, to_ms: int) -> pa.Table:
+    return from_records((r for p in paths for r in _read_jsonl(_open(p))), from_ms, to_ms)
+
+
+def from_parquet(
+    root: Path, from_ms: int, to_ms: int, columns: list[str], batch_rows: int = 1 << 20
+) -> Iterator[pa.Table]:
+    """The day partitions that can hold [from, to), then a row filter on the window start;
+    in batches of at most `batch_rows` rows, so memory stays bounded whatever the range."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    from ..aggregate.columns import arrow_schema
+    from ..aggregate.parquet import DAY_MS, day_of
+
+    if not root.is_dir():
+        raise LoadError(f"{root}: not a directory")
+    days = {day_of(d) for d in range(from_ms - from_ms % DAY_MS, to_ms, DAY_MS)}
+    files = sorted(str(f) for d in sorted(days) for f in (root / f"day={d}").glob("part-*.parquet"))
+    # Strings stay dictionary-encoded as Parquet stores them: filters and group-bys then move
+    # small integers, not the strings of every row.
+    strings = [f.name for f in arrow_schema() if pa.types.is_string(f.type)]
+    schema = pa.schema(
+        [
+            pa.field(f.name, pa.dictionary(pa.int32(), pa.string())) if f.name in strings else f
+            for f in arrow_schema()
+        ]
+    )
+    fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(dictionary_columns=strings))
+    dataset = ds.dataset(files, schema=schema, format=fmt)
+    flt = (ds.field("window_start_ms") >= from_ms) & (ds.field("window_start_ms") < to_ms)
+    for batch in dataset.to_batches(columns=columns, filter=flt, batch_size=batch_rows):
+        if batch.num_rows:
+            yield pa.Table.from_batches([batch])

@@ -1,0 +1,136 @@
+"""Prices of GPU time, outside the records (`prices.toml`), so that re-pricing a past quarter
+never needs a replay.
+
+    currency = "USD"
+    default = 1.20                    # per GPU-hour, for a model no entry matches
+    [models]                          # per GPU-hour; exact name first, then globs in file order
+    "NVIDIA H100 80GB HBM3" = 2.49
+    "NVIDIA A100*" = 1.60
+    [namespaces]                      # adjustments: -0.2 = 20 % discount, 0.1 = 10 % markup
+    research = -0.2
+    [labels.team]                     # by the value of the pod label `team`
+    vision = 0.1
+
+Money is `decimal.Decimal` throughout; prices are read from the TOML text as decimals, never
+through a float. Adjustments that match the same row multiply: (1 + a) (1 + b).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PriceError", "Prices"]
+
+
+class PriceError(Exception):
+    """A prices file that cannot be used; the message is one line."""
+
+
+def _decimal(where: str, value: Any) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, int | float | str | Decimal):
+        raise PriceError(f"{where}: a number is needed, got {value!r}")
+    try:
+        d = value if isinstance(value, Decimal) else Decimal(str(value))
+    except InvalidOperation:
+        raise PriceError(f"{where}: not a number: {value!r}") from None
+    if not d.is_finite():
+        raise PriceError(f"{where}: not a finite number: {value!r}")
+    return d
+
+
+@dataclass(frozen=True)
+class Prices:
+    currency: str = "USD"
+    default: Decimal = Decimal(0)
+    models: tuple[tuple[str, Decimal], ...] = ()
+    namespaces: dict[str, Decimal] = field(default_factory=dict)
+    labels: dict[str, dict[str, Decimal]] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> Prices:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise PriceError(f"prices {path}: {exc.strerror}") from None
+        return cls.parse(text, str(path))
+
+    @classmethod
+    def parse(cls, text: str, where: str = "prices") -> Prices:
+        try:
+            # floats come as Decimal from their own text: 2.49 stays 2.49, not 2.4900000000000002
+            data = tomllib.loads(text, parse_float=Decimal)
+        except tomllib.TOMLDecodeError as exc:
+            raise PriceError(f"{where}: {exc}") from None
+        unknown = set(data) - {"currency", "default", "models", "namespaces", "labels"}
+        if unknown:
+            raise PriceError(f"{where}: unknown key {sorted(unknown)[0]!r}")
+        currency = data.get("currency", "USD")
+        if not isinstance(currency, str) or not re.fullmatch(r"[A-Za-z]{1,8}", currency):
+            raise PriceError(f"{where}: currency must be a short code such as USD")
+        default = _decimal(f"{where}: default", data.get("default", 0))
+        models = []
+        for name, price in _table(where, data, "models").items():
+            p = _decimal(f"{where}: models.{name!r}", price)
+            if p < 0:
+                raise PriceError(f"{where}: models.{name!r}: a price cannot be negative")
+            models.append((name, p))
+        if default < 0:
+            raise PriceError(f"{where}: default: a price cannot be negative")
+        namespaces = {
+            k: _adjustment(f"{where}: namespaces.{k}", v)
+            for k, v in _table(where, data, "namespaces").items()
+        }
+        labels = {}
+        for name, values in _table(where, data, "labels").items():
+            if not isinstance(values, dict):
+                raise PriceError(f"{where}: labels.{name} must be a table of value = adjustment")
+            labels[name] = {
+                k: _adjustment(f"{where}: labels.{name}.{k}", v) for k, v in values.items()
+            }
+        return cls(currency.upper(), default, tuple(models), namespaces, labels)
+
+    def price(self, model: str) -> Decimal:
+        """Per GPU-hour: the exact name, else the first glob that matches, else the default."""
+        for name, p in self.models:
+            if name == model:
+                return p
+        for name, p in self.models:
+            if any(c in name for c in "*?[") and fnmatchcase(model, name):
+                return p
+        return self.default
+
+    def factor(self, namespace: str, labels: dict[str, str]) -> Decimal:
+        """The product of (1 + adjustment) of the namespace and the labels that match."""
+        f = Decimal(1)
+        a = self.namespaces.get(namespace)
+        if a is not None:
+            f *= 1 + a
+        for name, values in self.labels.items():
+            v = labels.get(name)
+            if v is not None and v in values:
+                f *= 1 + values[v]
+        return f
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.namespaces or self.labels)
+
+
+def _table(where: str, data: dict[str, Any], key: str) -> dict[str, Any]:
+    t = data.get(key, {})
+    if not isinstance(t, dict):
+        raise PriceError(f"{where}: [{key}] must be a table")
+    return t
+
+
+def _adjustment(where: str, value: Any) -> Decimal:
+    a = _decimal(where, value)
+    if a < -1:
+        raise PriceError(f"{where}: an adjustment below -1 would make a negative price")
+    return a

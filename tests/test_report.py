@@ -1,0 +1,374 @@
+"""`hami-usage report`: the HAMi #3073 case through the whole pipeline (HAMi-core's cache files
+-> the collector's scanner -> `aggregate` -> `report` from CSV, JSONL and Parquet), prices, the
+cost reconciliation as a property, and bad flags."""
+
+from __future__ import annotations
+
+import csv
+import io
+import shutil
+import subprocess
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from streams import T0_MS, hami, msg, write_local_log
+from test_fair_share import run, schedules
+
+from collector.aggregate.columns import to_table
+from collector.events import Event, Identity, PodIdentity
+from collector.node.scan import Scanner
+from collector.report.bill import make_bill, money
+from collector.report.prices import PriceError, Prices
+from collector.report.summary import HOUR_MS, Summary
+from collector.simulate import CacheWriter, GiB, MiB, SimDevice
+
+HOUR_S = 3600
+# 25 % of the cores and a quarter of an 80 GiB GPU's memory
+QUARTER = (20 * GiB, 25)
+PRICES = """
+currency = "USD"
+default = 2.00
+[models]
+"NVIDIA H100*" = 3.00
+"""
+
+
+def gpu(d: int) -> str:
+    return f"GPU-{d:08d}-1111-4000-8000-000000000000"
+
+
+def pod(c: int) -> str:
+    return f"{c:08d}-0000-4000-8000-000000000000"
+
+
+def case_3073_stream(root: Path) -> list[Event]:
+    """Four containers at 25 % on GPU 0, one whole-GPU container on GPU 1, two at 25 % on
+    GPU 2, for one hour of event time, scanned every 10 s; the files go at the hour."""
+    layout = [(0, *QUARTER)] * 4 + [(1, 80 * GiB, 0)] + [(2, *QUARTER)] * 2
+    writers = []
+    for c, (d, limit, sm) in enumerate(layout):
+        folder = root / f"{pod(c)}_main"
+        folder.mkdir(parents=True)
+        from collector.layout.declarations import LAYOUTS
+
+        w = CacheWriter(folder / "0.cache", LAYOUTS["v1.2"], [SimDevice(gpu(d), limit, sm)])
+        w.add_process(100, 40_000 + c)
+        w.add_memory(100, 0, "context", 200 * MiB)
+        writers.append(w)
+    scanner = Scanner(root, heartbeat_s=30, inc=77)
+    events: list[Event] = []
+    for s in range(0, HOUR_S, 10):
+        events += scanner.scan(T0_MS + s * 1000)
+        if s % 30 == 0:  # what the pod watch would say (seqs of their own, never the scanner's)
+            # the scanner's own numbering, as its identity stage would send them
+            events += [scanner._stamp(PodIdentity, identity=who(c)) for c in range(len(layout))]
+    for w in writers:
+        w.close()
+        shutil.rmtree(w.path.parent)
+    events += scanner.scan(T0_MS + HOUR_S * 1000)
+    return events
+
+
+# (namespace, workload, team label) of each container
+WHO = (
+    [("team-a", "train", "vision")] * 4
+    + [("team-b", "serve", "nlp")]
+    + [("research", "nb", "")] * 2
+)
+
+
+def who(c: int) -> Identity:
+    ns, workload, team = WHO[c]
+    labels = {"team": team} if team else {}
+    return Identity(pod(c), ns, f"{workload}-{c}", "Deployment", workload, labels)
+
+
+def report_rows(text: str) -> dict[tuple[str, str], dict[str, str]]:
+    return {(r["kind"], r["pod"] or r["gpu_model"]): r for r in csv.DictReader(io.StringIO(text))}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The #3073 hour through the collector's scanner and `aggregate --drain` into CSV, JSONL
+    and Parquet (done once for the tests below); the folder holds prices.toml too."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    events = case_3073_stream(tmp / "root")
+    write_local_log(tmp / "log", [msg("node-a", e) for e in events])
+    proc = hami(
+        "aggregate", "--log", tmp / "log", "--drain", "--allocation-policy", "cores",
+        "--csv", tmp / "b.csv", "--jsonl", tmp / "b.jsonl", "--parquet", tmp / "pq",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (tmp / "prices.toml").write_text(PRICES)
+    return tmp
+
+
+RANGE = ["--from", "2026-03-02T00:00:00Z", "--to", "2026-03-03T00:00:00Z"]
+
+
+def report(tmp: Path, *args: str | Path) -> tuple[str, str]:
+    """`report` over the pipeline's Parquet: (its stdout, its --out-csv)."""
+    out = tmp / "report.csv"
+    proc = hami("report", *RANGE, "--prices", tmp / "prices.toml", "--out-csv", out, *args)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, out.read_text()
+
+
+def test_hami_3073_through_the_whole_pipeline(pipeline: Path) -> None:
+    tmp_path = pipeline
+    assert sorted(p.name for p in (tmp_path / "pq").iterdir()) == ["day=2026-03-02"]
+    texts = []
+    for src in (
+        ["--csv", tmp_path / "b.csv"],
+        ["--jsonl", tmp_path / "b.jsonl"],
+        ["--parquet", tmp_path / "pq"],
+    ):
+        stdout, text = report(tmp_path, *src, "--by", "pod")
+        assert "total" in stdout
+        texts.append(text)
+    assert texts[0] == texts[1] == texts[2]  # the same bill from every source
+    rows = report_rows(texts[0])
+    # no inventory: the model is unknown and the default price (2.00) applies
+    for c in range(4):
+        assert rows[("group", f"{WHO[c][1]}-{c}")]["gpu_hours_allocated"] == "0.250000"
+        assert rows[("group", f"{WHO[c][1]}-{c}")]["cost"] == "0.50"
+    assert rows[("group", "serve-4")]["gpu_hours_allocated"] == "1.000000"
+    assert rows[("group", "serve-4")]["cost"] == "2.00"
+    for c in (5, 6):
+        assert rows[("group", f"{WHO[c][1]}-{c}")]["gpu_hours_allocated"] == "0.250000"
+    # idle: 0 on GPU 0 and 1, 0.5 on GPU 2, all of the (unknown) model ""
+    assert rows[("idle", "")]["gpu_hours_allocated"] == "0.500000"
+    assert rows[("idle", "")]["cost"] == "1.00"
+    assert rows[("rounding_residue", "")]["cost"] == "0.00"
+    # three GPUs observed for an hour at 2.00
+    assert rows[("total", "")]["gpu_hours_allocated"] == "3.000000"
+    assert rows[("total", "")]["cost"] == "6.00"
+
+    # per GPU and window in the records: allocated + idle = observed, the #3073 numbers
+    records = list(csv.DictReader((tmp_path / "b.csv").open()))
+    assert {r["namespace"] for r in records if r["kind"] == "container"} == {
+        "team-a",
+        "team-b",
+        "research",
+    }
+    per_gpu: dict[str, dict[str, Fraction]] = {}
+    for r in records:
+        acc = per_gpu.setdefault(
+            r["device_uuid"], {"alloc": Fraction(0), "idle": Fraction(0), "obs": Fraction(0)}
+        )
+        if r["kind"] == "container":
+            acc["alloc"] += Fraction(r["allocated_gpu_seconds"])
+        elif r["kind"] == "idle":
+            acc["idle"] += Fraction(r["allocated_gpu_seconds"])
+        elif r["kind"] == "gpu":
+            acc["obs"] += Fraction(r["observed_seconds"])
+    assert per_gpu[gpu(0)] == {"alloc": HOUR_S, "idle": 0, "obs": HOUR_S}
+    assert per_gpu[gpu(1)] == {"alloc": HOUR_S, "idle": 0, "obs": HOUR_S}
+    assert per_gpu[gpu(2)] == {"alloc": HOUR_S / 2, "idle": HOUR_S / 2, "obs": HOUR_S}
+
+
+def test_grouped_by_namespace_workload_label_and_several(pipeline: Path) -> None:
+    pq = ["--parquet", pipeline / "pq"]
+    text = report(pipeline, *pq, "--by", "namespace")[1]
+    got = {
+        r["namespace"]: (r["gpu_hours_allocated"], r["cost"])
+        for r in csv.DictReader(io.StringIO(text))
+        if r["kind"] == "group"
+    }
+    assert got == {
+        "team-a": ("1.000000", "2.00"),
+        "team-b": ("1.000000", "2.00"),
+        "research": ("0.500000", "1.00"),
+    }
+    text = report(pipeline, *pq, "--by", "workload")[1]
+    got = {
+        r["workload"]: r["gpu_hours_allocated"]
+        for r in csv.DictReader(io.StringIO(text))
+        if r["kind"] == "group"
+    }
+    assert got == {
+        "Deployment/train": "1.000000",
+        "Deployment/serve": "1.000000",
+        "Deployment/nb": "0.500000",
+    }
+    text = report(pipeline, *pq, "--by", "label:team", "--by", "namespace")[1]
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert list(rows[0]) == [
+        "kind", "label_team", "namespace", "gpu_model", "gpu_hours_allocated", "gpu_hours_used",
+        "efficiency", "memory_gib_hours", "cost", "currency",
+    ]  # fmt: skip
+    got = {(r["label_team"], r["namespace"]): r["cost"] for r in rows if r["kind"] == "group"}
+    assert got == {
+        ("vision", "team-a"): "2.00",
+        ("nlp", "team-b"): "2.00",
+        ("", "research"): "1.00",
+    }
+
+
+def test_discounts_by_namespace_and_label(pipeline: Path) -> None:
+    prices = pipeline / "discount.toml"
+    prices.write_text(PRICES + "[namespaces]\nresearch = -0.5\n[labels.team]\nvision = 0.1\n")
+    out = pipeline / "d.csv"
+    proc = hami(
+        "report", *RANGE, "--parquet", pipeline / "pq", "--prices", prices, "--out-csv", out
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = {r["namespace"] or r["kind"]: r["cost"] for r in csv.DictReader(out.open())}
+    # team-a 2.00 + 10 %, research 1.00 - 50 %, idle and team-b at list price
+    assert got == {
+        "team-a": "2.20", "team-b": "2.00", "research": "0.50", "idle": "1.00",
+        "rounding_residue": "0.00", "total": "5.70",
+    }  # fmt: skip
+
+
+def test_html_report_opens_in_headless_chromium(pipeline: Path) -> None:
+    page = pipeline / "report.html"
+    proc = hami(
+        "report", *RANGE, "--parquet", pipeline / "pq", "--prices", pipeline / "prices.toml",
+        "--by", "namespace", "--html", page,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = page.read_text()
+    # self-contained: no script, nothing fetched (the SVG namespaces are names, not requests)
+    assert "<script" not in text and "src=" not in text and 'href="http' not in text
+    shot = pipeline / "report.png"
+    dom, console = chromium(page, shot)
+    assert not console, console
+    for chart in ("chart-over-time", "chart-allocated-used", "chart-idle"):
+        start = dom.index(f'<figure id="{chart}">')
+        assert "<svg" in dom[start : dom.index("</figure>", start)], chart
+    assert '<table class="bill">' in dom and '<table class="reconciliation">' in dom
+    assert ">team-a<" in dom and ">yes<" in dom  # a group and a balanced model row
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def chromium(page: Path, shot: Path) -> tuple[str, list[str]]:
+    """Debian's Chromium, headless: the DOM it built, and the page's console messages
+    (Chromium logs them to stderr as CONSOLE lines); a screenshot into `shot`."""
+    exe = shutil.which("chromium")
+    assert exe, "chromium is installed by scripts/install-debs.sh (scripts/test.sh runs it)"
+    flags = [
+        exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+        "--enable-logging=stderr", "--v=0", "--window-size=1100,1500",
+    ]  # fmt: skip
+    url = page.resolve().as_uri()
+    dump = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dump.returncode == 0, dump.stderr
+    subprocess.run(
+        [*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True
+    )
+    console = [ln for ln in dump.stderr.splitlines() if "CONSOLE" in ln or "net::ERR" in ln]
+    return dump.stdout, console
+
+
+# --- prices ---------------------------------------------------------------------------------
+
+
+def test_prices_exact_before_glob_before_default_and_adjustments() -> None:
+    p = Prices.parse(
+        """
+        currency = "eur"
+        default = 1.1
+        [models]
+        "NVIDIA H100*" = 2.49
+        "NVIDIA H100 80GB HBM3" = 2.2
+        "NVIDIA A1?0*" = 1.6
+        [namespaces]
+        research = -0.2
+        [labels.team]
+        vision = 0.1
+        """
+    )
+    assert p.currency == "EUR"
+    assert p.price("NVIDIA H100 80GB HBM3") == Decimal("2.2")  # exact wins over the glob
+    assert p.price("NVIDIA H100 NVL") == Decimal("2.49")
+    assert p.price("NVIDIA A100-SXM4-80GB") == Decimal("1.6")
+    assert p.price("Tesla T4") == Decimal("1.1")
+    assert p.factor("research", {"team": "vision"}) == Decimal("0.88")
+    assert p.factor("prod", {"team": "nlp"}) == 1
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("default = -1", "negative"),
+        ('currency = "US Dollar"', "currency"),
+        ("bogus = 1", "unknown key 'bogus'"),
+        ('[models]\n"x" = "cheap"', "not a number"),
+        ("[namespaces]\na = -2", "below -1"),
+        ("default = [", "prices"),
+    ],
+)
+def test_bad_prices_are_one_clear_line(text: str, message: str) -> None:
+    with pytest.raises(PriceError, match=message):
+        Prices.parse(text)
+
+
+def test_half_even_rounding_and_the_stated_residue() -> None:
+    assert money(Fraction(5, 1000)) == Decimal("0.00")  # 0.005 -> 0.00 (even)
+    assert money(Fraction(15, 1000)) == Decimal("0.02")
+
+
+# --- the reconciliation property ------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    schedules(),
+    st.sampled_from(["cores", "memory", "max", "usage"]),
+    st.decimals(min_value=0, max_value=100, places=3),
+    st.decimals(min_value=0, max_value=100, places=2),
+)
+def test_cost_total_is_observed_hours_times_price_to_the_cent(
+    events: list[Event], policy: str, h100: Decimal, default: Decimal
+) -> None:
+    records, _ = run(events, policy)  # type: ignore[arg-type]
+    prices = Prices.parse(f'default = {default}\n[models]\n"NVIDIA H100*" = {h100}')
+    summary = Summary(["namespace", "pod"], HOUR_MS, [])
+    summary.add(to_table(records))
+    bill = make_bill(summary, prices)
+    observed = sum(
+        (
+            Fraction(round(r.observed_seconds * 1000))
+            / HOUR_MS
+            * Fraction(prices.price(r.gpu_model))
+            for r in records
+            if r.kind == "gpu"
+        ),
+        Fraction(0),
+    )
+    assert bill.total == observed  # exact: every observed millisecond is allocated or idle
+    lines = sum((money(x.cost) for x in bill.lines), Decimal(0))
+    assert lines + bill.residue == money(observed)  # to the cent, after the stated residue
+    assert all(m.balanced for m in bill.models)
+
+
+# --- bad flags ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--from", "x", "--to", "2026-01-02"], "--from 'x': not an ISO-8601 time"),
+        (["--from", "2026-01-02", "--to", "2026-01-01", "--csv", "a"], "--to must be after"),
+        (["--from", "2026-01-01", "--to", "2026-01-02"], "give --csv, --jsonl"),
+        (
+            ["--from", "2026-01-01", "--to", "2026-01-02", "--csv", "a", "--by", "team"],
+            "--by 'team'",
+        ),
+    ],
+)
+def test_report_usage_errors(args: list[str], message: str) -> None:
+    proc = hami("report", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_report_of_a_missing_file_is_one_line(tmp_path: Path) -> None:
+    proc = hami("report", "--from", "2026-01-01", "--to", "2026-01-02", "--csv", tmp_path / "no")
+    assert proc.returncode == 1
+    assert proc.stderr == f"hami-usage report: {tmp_path / 'no'}: no such file\n"
