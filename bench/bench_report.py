@@ -102,7 +102,10 @@ def day_table(day: int, nodes: int, gpus: int, ctrs: int, window_ms: int) -> pa.
         if f.name == "labels":
             arrays.append(pa.MapArray.from_arrays(offsets, keys, items))
             continue
-        a = cols[f.name]
+        a = cols.get(f.name)
+        if a is None:  # a field this generator does not know: its zero value
+            zero = {pa.string(): "", pa.bool_(): False, pa.float64(): 0.0}.get(f.type, 0)
+            a = pa.array([zero] * rows, f.type)
         a = a if isinstance(a, pa.Array) else pa.array(a)
         arrays.append(a.cast(f.type) if not pa.types.is_dictionary(a.type) else a)
     fields = [pa.field(f.name, arrays[i].type) for i, f in enumerate(schema)]
