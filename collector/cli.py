@@ -448,6 +448,7 @@ def _window(cfg: AggregateConfig | ReplayConfig) -> WindowSettings:
         max_gap_ms=round(cfg.max_gap * 1000),
         max_skew_ms=round(cfg.max_skew * 1000),
         allocation_policy=cfg.allocation_policy,
+        idle_ms=round(cfg.idle * 1000),
     )
 
 
@@ -600,6 +601,7 @@ REPLAY_FLAGS = [
     "max_gap",
     "max_skew",
     "allocation_policy",
+    "idle",
     "csv",
     "jsonl",
     *KAFKA_FLAGS,
@@ -879,6 +881,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{cores,memory,max,usage}",
         help="how a GPU's time is shared out among its containers (default max)",
     )
+    p.add_argument(
+        "--idle", type=float, help="a node silent this long no longer holds windows open"
+    )
     p.add_argument("--csv", metavar="FILE", help="append billing records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="append billing records as JSON Lines")
     p.add_argument(
@@ -940,6 +945,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--allocation-policy",
         metavar="{cores,memory,max,usage}",
         help="how a GPU's time is shared out among its containers (default max)",
+    )
+    p.add_argument(
+        "--idle", type=float, help="a node silent this long no longer holds windows open"
     )
     p.add_argument("--csv", metavar="FILE", help="write the records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="write the records as JSON Lines")

@@ -121,6 +121,7 @@ class ReplayConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_
     max_gap: Annotated[float, Meta(gt=0, le=7 * DAY)] = 90.0
     max_skew: Annotated[float, Meta(gt=0, le=7 * DAY)] = 300.0
     allocation_policy: Literal["cores", "memory", "max", "usage"] = "max"
+    idle: Annotated[float, Meta(gt=0, le=7 * DAY)] = 600.0
     csv: str | None = None
     jsonl: str | None = None
     # exit 0 rather than 3 when the input was damaged (the damage is still reported)

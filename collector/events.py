@@ -22,6 +22,13 @@ import msgspec
 
 SCHEMA_VERSION = 1
 
+# The range of every byte count and percentage an event carries. No GPU has 2**48 bytes
+# (256 TiB), and NVML's samples exceed 100 % only momentarily, never a hundredfold; a counter
+# beyond these wrapped below zero or is bytes a tenant wrote. The reader turns such counters
+# into anomalies, and the aggregator refuses them from any producer.
+MAX_BYTES = (1 << 48) - 1
+MAX_PERCENT = 10_000
+
 # Every struct below is gc=False: events are plain trees of numbers and strings that can never
 # take part in a reference cycle, and at hundreds of thousands per second the cycle collector
 # walking them cost the aggregator about a quarter of its time.

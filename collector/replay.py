@@ -1,10 +1,12 @@
 """`hami-usage replay`: the aggregate code over a past range of the event log.
 
-Reading starts `max_gap + lateness + slack` before `--from` (found by record time), so every
-value in effect at `--from` and every container's identity (restated by each heartbeat, at most
-max_gap apart) has been seen again; reading stops once the watermark has passed `--to` or the
-log ends. Only windows inside [from, to) are written. The records are the ones the live service
-wrote for the same input, byte for byte, because they come from the same `Aggregator`.
+Reading starts `WindowSettings.lookback_ms` + slack before `--from` (found by record time): the
+same settings that decide how long a container's name is kept, so every value in effect at
+`--from` and every name still held there has been seen again. Reading a source stops once its
+watermark has passed `--to` (every window in the range closed as it did live), at the latest
+`close_after_ms` + slack after `--to` in record time, or at the end of the log. Only windows
+inside [from, to) are written. The records are the ones the live service wrote for the same
+input, byte for byte, because they come from the same `Aggregator`.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ def _local(log_dir: Path, start_ms: int) -> tuple[int, Iterator[list[Raw]], LogR
     return total, batches(), reader
 
 
+def replay_start_ms(window: WindowSettings, rng: ReplayRange) -> int:
+    """The record time reading starts at."""
+    return rng.from_ms - window.lookback_ms - SLACK_MS
+
+
 def _in_range(r: BillingRecord, rng: ReplayRange) -> bool:
     return rng.from_ms <= r.window_start_ms and r.window_end_ms <= rng.to_ms
 
@@ -98,7 +105,7 @@ class Replay:
         self.window = window
         self.rng = rng
         self.stats = InputStats()
-        self.stop_ms = rng.to_ms + window.lateness_ms + window.max_gap_ms + SLACK_MS
+        self.stop_ms = rng.to_ms + window.close_after_ms + SLACK_MS
         self.progress = Progress(total)
         self.finished: set[int] = set()  # sources read past the range
         self._aggs: dict[int, Aggregator] = {}
@@ -121,8 +128,10 @@ class Replay:
                 offset=raw.offset,
                 record_ts_ms=raw.timestamp_ms,
             )
-        for agg in self._aggs.values():
+        for source, agg in self._aggs.items():
             self._kept += [r for r in agg.advance() if _in_range(r, self.rng)]
+            if agg.emitted_until_ms >= self.rng.to_ms:
+                self.finished.add(source)
         self.progress.advance(len(batch))
 
     def finish(self, outputs: Outputs) -> InputStats:
@@ -137,7 +146,7 @@ class Replay:
 def replay_local(
     log_dir: Path, window: WindowSettings, rng: ReplayRange, csv: str | None, jsonl: str | None
 ) -> tuple[int, InputStats]:
-    start = rng.from_ms - window.max_gap_ms - window.lateness_ms - SLACK_MS
+    start = replay_start_ms(window, rng)
     total, batches, reader = _local(log_dir, start)
     replay = Replay(total, window, rng)
     for batch in batches:
@@ -170,7 +179,7 @@ async def replay_kafka(
 
     from .transport.kafka import wait_for_broker
 
-    start = rng.from_ms - window.max_gap_ms - window.lateness_ms - SLACK_MS
+    start = replay_start_ms(window, rng)
     security = security or KafkaSecurity()
     await wait_for_broker(bootstrap, 10.0, security)
     consumer = AIOKafkaConsumer(

@@ -52,8 +52,10 @@ from collector.transport.locallog import LocalLog
 HAMI_USAGE = Path(sys.executable).parent / "hami-usage"
 
 # The settings every test here runs the service and the in-test reference with.
-WINDOW = WindowSettings(window_ms=60_000, lateness_ms=5_000, max_gap_ms=30_000)
-WINDOW_FLAGS = ["--window", "60", "--lateness", "5", "--max-gap", "30"]
+# A short max_skew: windows wait that long (in record time) after their end for nodes whose
+# clock is behind, and these streams have none; the services close windows while they run.
+WINDOW = WindowSettings(window_ms=60_000, lateness_ms=5_000, max_gap_ms=30_000, max_skew_ms=30_000)
+WINDOW_FLAGS = ["--window", "60", "--lateness", "5", "--max-gap", "30", "--max-skew", "30"]
 MINUTE_MS = 60_000
 # A fixed epoch for the local-log tests: 2026-03-02T10:00:00Z.
 T0_MS = 1_772_445_600_000

@@ -291,7 +291,7 @@ def test_local_log_service_pushes_otlp(tmp_path: Path) -> None:
         if r.kind in ("gpu", "idle"):  # a GPU's own records are not exported
             continue
         key = (r.pod_uid, r.container, r.device_uuid)
-        want[key] = want.get(key, 0.0) + r.memory_byte_seconds
+        want[key] = want.get(key, 0.0) + float(r.memory_byte_seconds)
     got = {
         (a["k8s.pod.uid"], a["k8s.container.name"], a["hw.id"]): v
         for attrs, v in usage.points.items()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from decimal import Decimal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -34,10 +35,10 @@ GiB = 1 << 30
 HOUR = 3_600_000
 
 
-def ms(seconds: float) -> int:
-    """Record seconds are n / 1000 for an integer n."""
-    n = round(seconds * 1000)
-    assert n / 1000 == seconds
+def ms(seconds: Decimal) -> int:
+    """Record seconds are exactly n / 1000 for an integer n."""
+    n = int(seconds * 1000)
+    assert n == seconds * 1000
     return n
 
 

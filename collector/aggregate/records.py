@@ -1,9 +1,11 @@
 """Billing records (topic `hami.billing.v1`, CSV and JSONL files) and current-value gauges.
 
 A record covers one tumbling window x node x pod UID x container x device UUID. The aggregator
-integrates in integer milli-units (byte-milliseconds, percent-milliseconds) and divides by 1000
-only here, so the same input always gives bit-identical floats, and therefore identical bytes in
-every encoding below.
+integrates in integer milli-units (byte-milliseconds, percent-milliseconds); a record carries each
+integral n as the exact decimal n/1000 (`seconds(n)`: the integer's digits with a decimal point
+before the last three), so every encoding below prints it exactly, at any magnitude: CSV and
+JSON as a number with three decimals, msgpack as that text. Every number in a record lies in
+[0, RECORD_MAX] (`in_bounds`); the aggregator never builds one outside it.
 
 `record_id` is derived from the record's identity and revision only (never from its values), so
 a consumer can de-duplicate a record that a restart publishes again.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+from decimal import Decimal
 from typing import Final
 
 import msgspec
@@ -20,21 +23,42 @@ import msgspec
 __all__ = [
     "CSV_FIELDS",
     "KINDS",
+    "RECORD_MAX",
     "BillingRecord",
     "Gauge",
     "csv_header",
     "csv_row",
+    "decimal_text",
     "from_msgpack",
+    "in_bounds",
     "iso_utc",
     "jsonl_line",
     "make_record_id",
     "record_order",
+    "seconds",
+    "to_json",
     "to_msgpack",
 ]
 
+# The largest number a record carries (in milli-units for the integrals): what a signed 64-bit
+# integer holds, so any consumer can parse every field exactly.
+RECORD_MAX: Final = (1 << 63) - 1
+
+
+def seconds(milli: int) -> Decimal:
+    """The exact decimal `milli / 1000`, always with three decimals (`seconds(1500)` is 1.500)."""
+    q, r = divmod(milli, 1000)
+    return Decimal(f"{q}.{r:03d}") if milli >= 0 else -seconds(-milli)
+
+
+def decimal_text(value: Decimal) -> str:
+    """A record's decimal as text with three decimals, exactly (no float is involved)."""
+    return f"{value:.3f}"
+
 
 class BillingRecord(msgspec.Struct, frozen=True):
-    """Usage of one container on one GPU during one window. Seconds are milli-units / 1000."""
+    """Usage of one container on one GPU during one window. Seconds are exact decimals: the
+    integrated milli-units / 1000."""
 
     window_start_ms: int
     window_end_ms: int
@@ -42,13 +66,13 @@ class BillingRecord(msgspec.Struct, frozen=True):
     pod_uid: str
     container: str
     device_uuid: str
-    memory_byte_seconds: float
-    memory_limit_byte_seconds: float
-    nvml_memory_byte_seconds: float
-    sm_percent_seconds: float
-    sm_limit_percent_seconds: float
+    memory_byte_seconds: Decimal
+    memory_limit_byte_seconds: Decimal
+    nvml_memory_byte_seconds: Decimal
+    sm_percent_seconds: Decimal
+    sm_limit_percent_seconds: Decimal
     peak_memory_bytes: int
-    observed_seconds: float
+    observed_seconds: Decimal
     samples: int
     record_id: str
     namespace: str = ""
@@ -67,8 +91,8 @@ class BillingRecord(msgspec.Struct, frozen=True):
     kind: str = "container"
     gpu_model: str = ""  # NVML name, empty without an inventory
     gpu_memory_bytes: int = 0  # 0 without an inventory
-    allocated_gpu_seconds: float = 0.0
-    used_gpu_seconds: float = 0.0
+    allocated_gpu_seconds: Decimal = Decimal("0.000")
+    used_gpu_seconds: Decimal = Decimal("0.000")
     overcommitted: bool = False  # the GPU's shares were scaled down to its observed time
     # The record's schema version (1 = hami.billing.v1, schemas/billing.schema.json).
     version: int = 1
@@ -131,6 +155,32 @@ _msgpack_encoder: Final = msgspec.msgpack.Encoder()
 _msgpack_decoder: Final = msgspec.msgpack.Decoder(BillingRecord)
 
 
+def in_bounds(record: BillingRecord) -> bool:
+    """Every number of `record` lies in [0, RECORD_MAX] (integrals in milli-units)."""
+    r = record
+    ints = (
+        r.window_start_ms,
+        r.window_end_ms,
+        r.peak_memory_bytes,
+        r.samples,
+        r.revision,
+        r.gpu_memory_bytes,
+    )
+    decimals = (
+        r.memory_byte_seconds,
+        r.memory_limit_byte_seconds,
+        r.nvml_memory_byte_seconds,
+        r.sm_percent_seconds,
+        r.sm_limit_percent_seconds,
+        r.observed_seconds,
+        r.allocated_gpu_seconds,
+        r.used_gpu_seconds,
+    )
+    return all(0 <= x <= RECORD_MAX for x in ints) and all(
+        0 <= x * 1000 <= RECORD_MAX for x in decimals
+    )
+
+
 def to_msgpack(record: BillingRecord) -> bytes:
     return _msgpack_encoder.encode(record)
 
@@ -179,11 +229,6 @@ def csv_header() -> list[str]:
     return list(CSV_FIELDS)
 
 
-def _seconds(x: float) -> str:
-    # Values are n/1000 for an integer n, so three decimals print them exactly.
-    return f"{x:.3f}"
-
-
 def _labels_json(labels: dict[str, str]) -> str:
     """The labels as one JSON object in a CSV cell, keys sorted (the same bytes every time)."""
     return _json_encoder.encode(dict(sorted(labels.items()))).decode()
@@ -204,28 +249,34 @@ def csv_row(record: BillingRecord) -> list[str]:
         r.workload_kind,
         r.workload,
         _labels_json(r.labels),
-        _seconds(r.memory_byte_seconds),
-        _seconds(r.memory_limit_byte_seconds),
-        _seconds(r.nvml_memory_byte_seconds),
-        _seconds(r.sm_percent_seconds),
-        _seconds(r.sm_limit_percent_seconds),
+        decimal_text(r.memory_byte_seconds),
+        decimal_text(r.memory_limit_byte_seconds),
+        decimal_text(r.nvml_memory_byte_seconds),
+        decimal_text(r.sm_percent_seconds),
+        decimal_text(r.sm_limit_percent_seconds),
         str(r.peak_memory_bytes),
-        _seconds(r.observed_seconds),
+        decimal_text(r.observed_seconds),
         str(r.samples),
         r.record_id,
         str(r.revision),
         r.kind,
         r.gpu_model,
         str(r.gpu_memory_bytes),
-        _seconds(r.allocated_gpu_seconds),
-        _seconds(r.used_gpu_seconds),
+        decimal_text(r.allocated_gpu_seconds),
+        decimal_text(r.used_gpu_seconds),
         "true" if r.overcommitted else "false",
     ]
 
 
 # --- JSON lines ----------------------------------------------------------------------------
 
-_json_encoder: Final = msgspec.json.Encoder()
+# Decimals as JSON numbers (their exact text), not strings.
+_json_encoder: Final = msgspec.json.Encoder(decimal_format="number")
+
+
+def to_json(record: BillingRecord) -> bytes:
+    """The record as one JSON object, every field, decimals as exact JSON numbers."""
+    return _json_encoder.encode(record)
 
 
 def jsonl_line(record: BillingRecord) -> bytes:

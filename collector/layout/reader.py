@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..events import MAX_BYTES, MAX_PERCENT
 from .declarations import MAX_DEVICES, MAX_PROCS, UUID_LEN, Layout
 from .detect import HEADER_BYTES, detect
 from .snapshot import Anomaly, DeviceInfo, DeviceUsage, ProcSnapshot, Snapshot, empty_snapshot
@@ -272,22 +273,13 @@ def _parse_proc(
     ):
         if d >= ndev and not (ctx or mod or data or total or monitor or sm):
             continue
+        if ctx | mod | data | total | monitor > MAX_BYTES or sm > MAX_PERCENT:
+            # Never billed nor sent: the device's row is left out of the slot.
+            _impossible(k, d, ctx, mod, data, total, monitor, sm, anomalies)
+            continue
         devices.append(DeviceUsage(d, ctx, mod, data, total, monitor, sm))
         if live:
             live_used[d] += total
-        if ctx | mod | data | total | monitor >= WRAP:
-            for name, value in (
-                ("context", ctx),
-                ("module", mod),
-                ("data", data),
-                ("total", total),
-                ("monitor", monitor),
-            ):
-                if value >= WRAP:
-                    detail = f"{name}={value} on device {d} went below zero as u64"
-                    anomalies.append(
-                        Anomaly("counter_wrapped", detail, slot=k, device=d, value=value)
-                    )
         if (ctx + mod + data) & U64_MASK != total:
             detail = f"total {total} != context+module+data {ctx + mod + data} on device {d}"
             anomalies.append(Anomaly("total_mismatch", detail, slot=k, device=d, value=total))
@@ -304,6 +296,32 @@ def parse_slot(
     live_used = [0] * MAX_DEVICES
     proc = _parse_proc(_codec(layout), _short(layout, ndev), k, raw, ndev, live_used, anomalies)
     return proc, anomalies
+
+
+def _impossible(
+    k: int,
+    d: int,
+    ctx: int,
+    mod: int,
+    data: int,
+    total: int,
+    monitor: int,
+    sm: int,
+    out: list[Anomaly],
+) -> None:
+    """`counter_wrapped` for a u64 that went below zero (HAMi #1181), `counter_out_of_range` for
+    one larger than any device (events.MAX_BYTES) or a percentage beyond events.MAX_PERCENT."""
+    named = (("context", ctx), ("module", mod), ("data", data), ("total", total))
+    for name, value in (*named, ("monitor", monitor)):
+        if value >= WRAP:
+            detail = f"{name}={value} on device {d} went below zero as u64"
+            out.append(Anomaly("counter_wrapped", detail, slot=k, device=d, value=value))
+        elif value > MAX_BYTES:
+            detail = f"{name}={value} on device {d} is larger than any device"
+            out.append(Anomaly("counter_out_of_range", detail, slot=k, device=d, value=value))
+    if sm > MAX_PERCENT:
+        detail = f"sm_util={sm} on device {d} is above {MAX_PERCENT}"
+        out.append(Anomaly("counter_out_of_range", detail, slot=k, device=d, value=sm))
 
 
 def _scan_contiguous(

@@ -11,6 +11,8 @@ offsets and gauges. Each concept lives in its own module of this package; this o
 
 from __future__ import annotations
 
+import logging
+
 from ...events import (
     CollectorStarted,
     ContainerAppeared,
@@ -37,11 +39,13 @@ from .late import count_late
 from .nodeguard import NodeConflict, NodeGuard
 from .output import Output
 from .progress import Progress
-from .settings import NEVER, RETAIN_GAPS, WindowSettings
+from .settings import MAX_TS, NEVER, RETAIN_GAPS, WindowSettings
 from .state import NODE_CID, SUPERSEDE, Track
 from .stats import AggregateStats
 
 __all__ = ["Aggregator"]
+
+log = logging.getLogger(__name__)
 
 
 class Aggregator:
@@ -58,7 +62,11 @@ class Aggregator:
         self._tracks: dict[tuple[str, int, int], Track] = {}
         self._incs = Incarnations()
         self._guard = NodeGuard(self._incs, self.stats)
-        self._progress = Progress(settings.max_skew_ms)
+        self._progress = Progress(
+            settings.max_skew_ms,
+            settings.idle_ms,
+            settings.max_gap_ms + settings.lateness_ms + settings.window_ms,
+        )
         self._arrival = 0
         # A pod's identity outlives its last restatement as long as a container's name does.
         self._identities = Identities(
@@ -97,7 +105,10 @@ class Aggregator:
         progress = self._progress
         progress.offset(source, offset)
         ts = event.ts
-        if progress.too_far_ahead(ts, record_ts_ms):
+        if not 0 <= ts <= MAX_TS:
+            stats.refused_values += 1
+            return
+        if progress.too_far_ahead(node, ts, record_ts_ms):
             stats.future_events += 1
             return
         inc = event.inc
@@ -107,22 +118,21 @@ class Aggregator:
             return
         if self._guard.overlaps(node, inc, ts):
             return
-        progress.event(source, ts)
+        progress.event(source, node, ts, record_ts_ms)
         closed = self._closed
         eff = ts if closed is None or ts >= closed else closed
         self._arrival += 1
-        rows = 0
         if isinstance(event, UsageSample):
             tr = self._tracks.get((node, inc, event.cid))
             if tr is None:
                 tr = self._track(node, inc, event.cid, source)
             tr.pending.append((eff, ts, seq, self._arrival, event, offset))
-            rows = len(event.rows)
         elif isinstance(event, Heartbeat):
+            if event.interval_ms > self._gap:
+                self._heartbeat_over_gap(node, event.interval_ms)
             for state in event.containers:
                 tr = self._track(node, inc, state.cid, source)
                 tr.pending.append((eff, ts, seq, self._arrival, state, offset))
-                rows += len(state.rows)
             for identity in event.pods:
                 self._identities.learn(node, identity, ts, seq, source, offset)
         elif isinstance(
@@ -134,7 +144,6 @@ class Aggregator:
         elif isinstance(event, NodeDeviceSample):
             tr = self._track(node, inc, NODE_CID, source)
             tr.pending.append((eff, ts, seq, self._arrival, event, offset))
-            rows = len(event.rows)
         elif isinstance(event, PodIdentity):
             self._identities.learn(node, event.identity, ts, seq, source, offset)
         elif isinstance(event, DeviceInventory):
@@ -144,7 +153,30 @@ class Aggregator:
         # LayoutAnomaly: counted above, nothing to integrate.
         if eff != ts:
             assert closed is not None
-            count_late(stats, rows, ts, closed, self._gap)
+            count_late(stats)
+
+    def idle(self, now_ms: int) -> None:
+        """Record time `now_ms` has come from other traffic: sources silent for longer than
+        `idle_ms` let their nodes' windows close at the next `advance()` (see `progress`)."""
+        self._progress.idle(now_ms)
+
+    @property
+    def future_by_node(self) -> dict[str, int]:
+        """Events refused as too far ahead of their record time, per node."""
+        return dict(self._progress.future_by_node)
+
+    def _heartbeat_over_gap(self, node: str, interval_ms: int) -> None:
+        """A value that only heartbeats restate lapses between them: billed in part."""
+        self.stats.heartbeat_over_gap += 1
+        if self.stats.heartbeat_over_gap == 1:
+            log.warning(
+                "node %s sends a heartbeat every %d ms, more than max_gap (%d ms): values it "
+                "does not change lapse between heartbeats and are billed in part; set max_gap "
+                "to about 3 heartbeats",
+                node,
+                interval_ms,
+                self._gap,
+            )
 
     def _track(self, node: str, inc: int, cid: int, source: int) -> Track:
         tr = self._tracks.get((node, inc, cid))
@@ -221,6 +253,7 @@ class Aggregator:
         for key, tr in self._tracks.items():
             if tr.ended:
                 tr.ended = {k: t for k, t in tr.ended.items() if t > closed - gap}
+                tr.ended_off = {k: o for k, o in tr.ended_off.items() if k in tr.ended}
             # Dropping a track must not change any record, whenever advance() is called: what is
             # dropped is what a new track would be (no name, nothing live or pending).
             if (
@@ -228,6 +261,8 @@ class Aggregator:
                 or tr.nkeys
                 or (tr.alive and tr.last_ts + gap > closed)
                 or (tr.pod_uid is not None and tr.last_ts + retain > closed)
+                # an end is kept while a late event from before it could still bill
+                or (tr.gone_ts is not None and tr.gone_ts > closed - gap)
             ):
                 live_incs.add((tr.node, tr.inc))
             else:

@@ -22,6 +22,8 @@
 from __future__ import annotations
 
 from ...events import (
+    MAX_BYTES,
+    MAX_PERCENT,
     ContainerAppeared,
     ContainerGone,
     ContainerState,
@@ -38,6 +40,7 @@ from .state import Device, Entry, Supersede, Track
 
 __all__ = [
     "apply",
+    "row_ok",
     "end_process",
     "forget",
     "gone",
@@ -47,6 +50,13 @@ __all__ = [
     "set_limits",
     "state",
 ]
+
+
+def row_ok(r: UsageRow) -> bool:
+    """The row's numbers are within what a device can hold (hostile ones are refused)."""
+    return (
+        0 <= r.total <= MAX_BYTES and 0 <= r.monitor <= MAX_BYTES and 0 <= r.sm_util <= MAX_PERCENT
+    )
 
 
 def apply(ig: Integrator, tr: Track, e: Entry) -> None:
@@ -67,7 +77,7 @@ def apply(ig: Integrator, tr: Track, e: Entry) -> None:
     elif isinstance(p, ContainerState):
         state(ig, tr, p, t, off)
     elif isinstance(p, ContainerGone | Supersede):
-        gone(ig, tr, t)
+        gone(ig, tr, t, off)
     elif isinstance(p, NodeDeviceSample):
         named = node_rows(ig, tr, p, t)
         if named is not None:
@@ -77,7 +87,7 @@ def apply(ig: Integrator, tr: Track, e: Entry) -> None:
         tr.last_ts = t
         tr.pres_off = off
         if isinstance(p, ProcessExited):
-            end_process(ig, tr, p.pid, p.hostpid, t)
+            end_process(ig, tr, p.pid, p.hostpid, t, off)
         elif isinstance(p, ContainerAppeared):
             learn(ig, tr, p.pod_uid, p.container, p.devices, t, off)
         elif isinstance(p, LimitsChanged):
@@ -97,6 +107,9 @@ def apply_rows(ig: Integrator, tr: Track, rows: list[UsageRow], t: int, off: int
         d = devs.get(dev)
         if d is None or d.uuid is None:
             ig.stats.unattributed_rows += 1
+            continue
+        if not row_ok(r):
+            ig.stats.refused_values += 1
             continue
         k = (r.pid, r.hostpid, dev)
         total = r.total
@@ -164,11 +177,12 @@ def state(ig: Integrator, tr: Track, st: ContainerState, t: int, off: int) -> No
         for k in [k for k in tr.keys if k not in stated]:
             ig.drop_key(tr, k)
             tr.ended[k] = t
+            tr.ended_off[k] = off
         for k in [k for k in tr.expired if k not in stated]:
             ig.unexpire(tr, k, t)
 
 
-def end_process(ig: Integrator, tr: Track, pid: int, hostpid: int, t: int) -> None:
+def end_process(ig: Integrator, tr: Track, pid: int, hostpid: int, t: int, off: int) -> None:
     for dev in tr.devs:
         k = (pid, hostpid, dev)
         if k in tr.keys:
@@ -176,9 +190,10 @@ def end_process(ig: Integrator, tr: Track, pid: int, hostpid: int, t: int) -> No
         if k in tr.expired:
             ig.unexpire(tr, k, t)
     tr.ended[(pid, hostpid)] = t
+    tr.ended_off[(pid, hostpid)] = off
 
 
-def gone(ig: Integrator, tr: Track, t: int) -> None:
+def gone(ig: Integrator, tr: Track, t: int, off: int) -> None:
     tr.keys.clear()
     for d in tr.devs.values():
         d.total = d.monitor = d.sm = d.nkeys = 0
@@ -189,6 +204,7 @@ def gone(ig: Integrator, tr: Track, t: int) -> None:
     tr.alive = False
     if tr.gone_ts is None or t > tr.gone_ts:
         tr.gone_ts = t
+        tr.gone_off = off
     forget(ig, tr)
 
 
@@ -242,5 +258,9 @@ def set_limits(ig: Integrator, tr: Track, devices: list[DeviceLimit], t: int, of
         dev.uuid = x.uuid
         dev.limit = x.limit_bytes
         dev.sm_limit = x.sm_limit
+        if not (0 <= x.limit_bytes <= MAX_BYTES and 0 <= x.sm_limit <= MAX_PERCENT):
+            # A limit no device has: its usage is still attributed, the limit billed as 0.
+            ig.stats.refused_values += 1
+            dev.limit = dev.sm_limit = 0
     tr.limits_ts = t
     tr.limits_off = off

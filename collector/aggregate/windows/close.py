@@ -12,7 +12,7 @@ from bisect import bisect_left
 from .apply import apply
 from .integrate import Integrator
 from .late import apply_late
-from .state import Track, effective
+from .state import HISTORY_GAPS, Track, effective
 
 __all__ = ["run"]
 
@@ -29,15 +29,17 @@ def run(ig: Integrator, tr: Track, target: int) -> None:
             tr.pending = pending[i:]
             del pending[i:]
         cur = tr.cur
+        hist = tr.hist
         for e in pending:
             t = e[0]
             if t > cur:
                 ig.integrate(tr, cur, t)
                 cur = t
             if e[1] != t:
-                apply_late(ig, tr, e)
+                apply_late(ig, tr, e, pending)
             else:
                 apply(ig, tr, e)
+        hist += pending
         tr.cur = cur
     ig.integrate(tr, tr.cur, target)
     if tr.next_exp <= target:
@@ -45,3 +47,7 @@ def run(ig: Integrator, tr: Track, target: int) -> None:
     ig.output.emit(tr)
     tr.win = None
     tr.cur = target
+    if tr.hist:
+        horizon = target - HISTORY_GAPS * ig.gap
+        if tr.hist[0][0] < horizon:
+            tr.hist = tr.hist[bisect_left(tr.hist, horizon, key=effective) :]

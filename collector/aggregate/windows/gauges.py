@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ...events import (
+    MAX_BYTES,
     ContainerAppeared,
     ContainerGone,
     ContainerState,
@@ -14,6 +15,7 @@ from ...events import (
     UsageSample,
 )
 from ..records import Gauge
+from .apply import row_ok
 from .progress import Progress
 from .settings import NEVER
 from .state import Supersede, Track
@@ -53,10 +55,15 @@ def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]
             if isinstance(p, ContainerAppeared | ContainerState | LimitsChanged) and (
                 ts >= limits_ts
             ):
-                table = {x.index: (x.uuid, x.limit_bytes) for x in p.devices}
+                table = {
+                    x.index: (x.uuid, x.limit_bytes if 0 <= x.limit_bytes <= MAX_BYTES else 0)
+                    for x in p.devices
+                }
                 limits_ts = ts
             if isinstance(p, UsageSample | ContainerState):
                 for r in p.rows:
+                    if not row_ok(r):
+                        continue
                     k = (r.pid, r.hostpid, r.device)
                     old = keys.get(k)
                     if old is None or old[3] <= ts:

@@ -1,14 +1,25 @@
 """Late events: counted, never corrected.
 
 An event whose ts is before the end of the last window this instance closed is **late**. It is
-counted in `stats.late_events`, and for each of its usage rows the part of the row's interval
-that fell into closed windows, `min(closed_end - ts, max_gap_ms)`, is added to
-`stats.late_ms_dropped`. Closed windows are never revised: there are no correction records and
-`revision` is always 0 (the field is kept for evolution). The event still takes effect from the
-closed end onward, so the following windows are right: a late sample replaces a key's value
-unless a newer sample or an end of that key (or of its process or container) is already known,
-and it keeps its own ts for the `max_gap_ms` cap; a late end ends only keys sampled before it;
-a late event refreshes presence only if it is newer than the last event seen.
+counted in `stats.late_events`. Closed windows are never revised: there are no correction
+records and `revision` is always 0 (the field is kept for evolution). The event still takes
+effect from the closed end onward, so the following windows are right: a late sample replaces a
+key's value unless a newer sample or an end of that key (or of its process or container) is
+already known, and it keeps its own ts for the `max_gap_ms` cap; a late end ends only keys
+sampled before it; a late event refreshes presence only if it is newer than the last event seen.
+
+What the closed windows got wrong, in key-milliseconds, computed when the late event is applied
+(at the close after it arrived), each interval cut at the closed end `C`:
+
+* `stats.late_ms_dropped`: for each attributed usage row of a late event at `ts`, the time its
+  value would have held, `[ts, min(ts + max_gap_ms, next, C))`, where `next` is the ts of the
+  first other event of that key after `ts` (a sample, or an end of the key, its process or its
+  container; in time or late) among the events of the container's last `HISTORY_GAPS x
+  max_gap_ms` before `C`. So late rows of one key never count the same time twice.
+* `stats.late_ms_overbilled`: for each key a late end at `ts` ends (a `ProcessExited`,
+  `ContainerGone`, a newer incarnation, or a heartbeat that no longer states it), the time the
+  closed windows went on billing it after the end: `[ts, min(sample + max_gap_ms, C))`, where
+  `sample` is the ts of its newest sample (there is none after `ts`, or the end would not apply).
 """
 
 from __future__ import annotations
@@ -26,55 +37,59 @@ from ...events import (
     UsageRow,
     UsageSample,
 )
-from .apply import forget, learn, node_rows, set_limits
+from .apply import forget, learn, node_rows, row_ok, set_limits
 from .integrate import Integrator
 from .settings import NEVER
-from .state import Entry, Key, Supersede, Track
+from .state import Entry, Key, Payload, Supersede, Track
 from .stats import AggregateStats
 
 __all__ = ["apply_late", "count_late"]
 
 
-def count_late(stats: AggregateStats, rows: int, ts: int, closed: int, gap: int) -> None:
-    """Count an event at `ts` with `rows` usage rows that arrived after `closed` was closed."""
+def count_late(stats: AggregateStats) -> None:
+    """An event arrived after the window its ts lies in was closed (accounted when applied)."""
     stats.late_events += 1
-    stats.late_ms_dropped += rows * min(closed - ts, gap)
 
 
-def apply_late(ig: Integrator, tr: Track, e: Entry) -> None:
-    """A late event, applied at the closed end but judged by its own ts (module docstring)."""
+def apply_late(ig: Integrator, tr: Track, e: Entry, batch: list[Entry]) -> None:
+    """A late event, applied at the closed end but judged by its own ts (module docstring).
+    `batch`: the entries applied at this close (the late ones among them are not in the
+    track's history yet)."""
     ts = e[1]
     p = e[4]
     off = e[5]
+    closed = e[0]
     if isinstance(p, ContainerGone | Supersede):
-        _end_late(ig, tr, ts, lambda k: True)
+        _end_late(ig, tr, ts, off, closed, lambda k: True)
         if tr.last_ts < ts:
             tr.alive = False
             forget(ig, tr)
         if tr.gone_ts is None or ts > tr.gone_ts:
             tr.gone_ts = ts
+            tr.gone_off = off
         return
     if isinstance(p, NodeDeviceSample):
         named = node_rows(ig, tr, p, ts)
         if named is not None:
-            _late_rows(ig, tr, named, ts, off)
+            _late_rows(ig, tr, named, ts, off, closed, batch)
         return
     if ts > tr.last_ts and (tr.gone_ts is None or ts > tr.gone_ts):
         tr.alive = True
         tr.last_ts = ts
         tr.pres_off = off
     if isinstance(p, UsageSample):
-        _late_rows(ig, tr, p.rows, ts, off)
+        _late_rows(ig, tr, p.rows, ts, off, closed, batch)
     elif isinstance(p, ContainerState):
         _late_identity(ig, tr, p.pod_uid, p.container, p.devices, ts, off)
-        _late_rows(ig, tr, p.rows, ts, off)
+        _late_rows(ig, tr, p.rows, ts, off, closed, batch)
         stated = {(r.pid, r.hostpid, r.device) for r in p.rows}
-        _end_late(ig, tr, ts, lambda k: k not in stated)
+        _end_late(ig, tr, ts, off, closed, lambda k: k not in stated)
     elif isinstance(p, ProcessExited):
         proc = (p.pid, p.hostpid)
-        _end_late(ig, tr, ts, lambda k: k[:2] == proc)
+        _end_late(ig, tr, ts, off, closed, lambda k: k[:2] == proc)
         if tr.ended.get(proc, -NEVER) < ts:
             tr.ended[proc] = ts
+            tr.ended_off[proc] = off
     elif isinstance(p, ContainerAppeared):
         _late_identity(ig, tr, p.pod_uid, p.container, p.devices, ts, off)
     elif isinstance(p, LimitsChanged) and (tr.limits_ts is None or ts > tr.limits_ts):
@@ -98,20 +113,62 @@ def _late_identity(
         set_limits(ig, tr, devices, ts, off)
 
 
-def _end_late(ig: Integrator, tr: Track, ts: int, which: Callable[[Key], bool]) -> None:
-    """End the keys selected by `which` that were sampled before `ts`."""
+def _end_late(
+    ig: Integrator, tr: Track, ts: int, off: int, closed: int, which: Callable[[Key], bool]
+) -> None:
+    """End the keys selected by `which` that were sampled before `ts`; count what the closed
+    windows billed of them after `ts`."""
+    gap = ig.gap
+    stats = ig.stats
     for k in [k for k, v in tr.keys.items() if v[3] < ts and which(k)]:
+        stats.late_ms_overbilled += max(0, min(tr.keys[k][3] + gap, closed) - ts)
         ig.drop_key(tr, k)
         if tr.ended.get(k, -NEVER) < ts:
             tr.ended[k] = ts
+            tr.ended_off[k] = off
     for k in [k for k, s in tr.expired.items() if s < ts and which(k)]:
+        stats.late_ms_overbilled += max(0, min(tr.expired[k] + gap, closed) - ts)
         ig.unexpire(tr, k, ts)
 
 
-def _late_rows(ig: Integrator, tr: Track, rows: list[UsageRow], ts: int, off: int) -> None:
+def _touches(tr: Track, p: Payload, k: Key) -> bool:
+    """`p` samples or ends key `k` of `tr`."""
+    if isinstance(p, UsageSample):
+        return any(r.pid == k[0] and r.hostpid == k[1] and r.device == k[2] for r in p.rows)
+    if isinstance(p, ProcessExited):
+        return p.pid == k[0] and p.hostpid == k[1]
+    if isinstance(p, NodeDeviceSample):
+        uuids = tr.uuids
+        return uuids is not None and any(uuids.get(r.uuid) == k[2] for r in p.rows)
+    # a heartbeat states or ends every key; ContainerGone and a newer incarnation end them all
+    return isinstance(p, ContainerState | ContainerGone | Supersede)
+
+
+def _held_until(tr: Track, k: Key, ts: int, limit: int, batch: list[Entry]) -> int:
+    """The first event of `k` after `ts` in the track's history or this close's batch, or
+    `limit` when there is none before it."""
+    end = limit
+    for entries in (tr.hist, batch):
+        for e in entries:
+            t = e[1]
+            if ts < t < end and _touches(tr, e[4], k):
+                end = t
+    return end
+
+
+def _late_rows(
+    ig: Integrator,
+    tr: Track,
+    rows: list[UsageRow],
+    ts: int,
+    off: int,
+    closed: int,
+    batch: list[Entry],
+) -> None:
     if tr.pod_uid is None:
         ig.stats.unattributed_rows += len(rows)
         return
+    limit = min(ts + ig.gap, closed)
     gone = -NEVER if tr.gone_ts is None else tr.gone_ts
     ended = tr.ended
     for r in rows:
@@ -119,7 +176,12 @@ def _late_rows(ig: Integrator, tr: Track, rows: list[UsageRow], ts: int, off: in
         if d is None or d.uuid is None:
             ig.stats.unattributed_rows += 1
             continue
+        if not row_ok(r):
+            ig.stats.refused_values += 1
+            continue
         k = (r.pid, r.hostpid, r.device)
+        if ts < limit:
+            ig.stats.late_ms_dropped += _held_until(tr, k, ts, limit, batch) - ts
         v = tr.keys.get(k)
         if v is not None and v[3] >= ts:
             continue  # a newer sample is in effect

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...events import Identity
-from ..records import BillingRecord, make_record_id, record_order
+from ..records import BillingRecord, in_bounds, make_record_id, record_order, seconds
 from .allocate import Policy, allocated_ms, fit, observed_ms, used_ms
 from .identity import Identities
 from .inventory import Inventory
@@ -128,8 +128,11 @@ class Output:
         for gk in sorted(by_gpu.keys() | gpus.keys()):
             records.extend(self._gpu(gk, sorted(by_gpu.get(gk, ())), out, gpus.get(gk, [])))
         records.sort(key=record_order)
-        self._stats.records += len(records)
-        return records
+        kept = [r for r in records if in_bounds(r)]
+        # Bounded inputs cannot add up past the bounds; such a record is refused, never sent.
+        self._stats.refused_records += len(records) - len(kept)
+        self._stats.records += len(kept)
+        return kept
 
     def _gpu(
         self, gk: GpuKey, keys: list[RowKey], out: dict[RowKey, _Row], ivs: list[list[int]]
@@ -168,20 +171,20 @@ class Output:
                     pod_uid=pod_uid,
                     container=container,
                     device_uuid=uuid,
-                    memory_byte_seconds=r.mem / 1000,
-                    memory_limit_byte_seconds=r.lim / 1000,
-                    nvml_memory_byte_seconds=r.nvml / 1000,
-                    sm_percent_seconds=r.sm / 1000,
-                    sm_limit_percent_seconds=r.smlim / 1000,
+                    memory_byte_seconds=seconds(r.mem),
+                    memory_limit_byte_seconds=seconds(r.lim),
+                    nvml_memory_byte_seconds=seconds(r.nvml),
+                    sm_percent_seconds=seconds(r.sm),
+                    sm_limit_percent_seconds=seconds(r.smlim),
                     peak_memory_bytes=r.peak,
-                    observed_seconds=r.obs / 1000,
+                    observed_seconds=seconds(r.obs),
                     samples=r.samples,
                     record_id=make_record_id(ws, node, pod_uid, container, uuid, 0),
                     kind="container" if pod_uid else "node",
                     gpu_model=model,
                     gpu_memory_bytes=memory,
-                    allocated_gpu_seconds=a / 1000,
-                    used_gpu_seconds=u / 1000,
+                    allocated_gpu_seconds=seconds(a),
+                    used_gpu_seconds=seconds(u),
                     overcommitted=over and bool(pod_uid),
                     **(_NAMES if who is None else _names(who)),
                 )
@@ -200,20 +203,20 @@ class Output:
                     pod_uid="",
                     container="",
                     device_uuid=uuid,
-                    memory_byte_seconds=0.0,
-                    memory_limit_byte_seconds=0.0,
-                    nvml_memory_byte_seconds=0.0,
-                    sm_percent_seconds=0.0,
-                    sm_limit_percent_seconds=0.0,
+                    memory_byte_seconds=seconds(0),
+                    memory_limit_byte_seconds=seconds(0),
+                    nvml_memory_byte_seconds=seconds(0),
+                    sm_percent_seconds=seconds(0),
+                    sm_limit_percent_seconds=seconds(0),
                     peak_memory_bytes=0,
-                    observed_seconds=obs / 1000,
+                    observed_seconds=seconds(obs),
                     samples=0,
                     record_id=make_record_id(ws, node, "", "", uuid, 0, kind),
                     kind=kind,
                     gpu_model=model,
                     gpu_memory_bytes=memory,
-                    allocated_gpu_seconds=a / 1000,
-                    used_gpu_seconds=u / 1000,
+                    allocated_gpu_seconds=seconds(a),
+                    used_gpu_seconds=seconds(u),
                     overcommitted=over,
                 )
             )

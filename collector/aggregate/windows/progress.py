@@ -1,14 +1,33 @@
-"""Event-time progress per source (Kafka partition or local log): the watermark, and the next
-offset to read.
+"""Event-time progress: per node inside each source (Kafka partition or local log), the
+watermark, and the next offset to read.
 
-The watermark is the minimum over the sources seen of their largest event ts, minus
-`lateness_ms`; `Aggregator.advance()` closes every window whose end is at or below it. Nothing
-depends on when `advance()` is called, so a replay that batches its input differently from the
-live run gives the same records.
+Many nodes share a source, and their clocks differ (by up to `max_skew_ms` from the record
+times, either way). So no node's clock decides for another: a source's progress is the
+**smallest** newest event ts over its *active* nodes, and never more than `max_skew_ms` before
+the newest record time (so a node whose clock is behind by that much, joining at any moment,
+still finds its windows open); the watermark is the smallest over the sources, minus
+`lateness_ms`. A node ahead of the others only waits for them; a node behind holds the source
+back instead of having its events declared late. With record times, a window therefore closes
+`max_skew_ms + lateness_ms` after its end in record time. `Aggregator.advance()` closes every
+window whose end is at or below the watermark.
+
+Idle rule: a node is **idle** once the source's record time (the largest record timestamp read
+from it; the event ts where the transport gives none) is more than `idle_ms` past the node's own
+last record time; idle nodes do not hold the source back. A node that sends again is active
+again, and its events before the closed end are late. When every node of a source is idle, the
+source closes everything: each value runs to its `max_gap_ms` cap, as `flush()` does. Only
+record timestamps decide this, never the wall clock, so a replay decides exactly as the live run
+did: `Aggregator.idle(now_ms)` (the service calls it with the record time of other traffic, or
+the clock when there is none) has the same effect as the source's next record would have.
+
+The watermark never goes back: before a node joins (or rejoins) and lowers the minimum, the
+progress so far is kept. So the watermark is a function of the input read so far, whatever
+the batching, and nothing depends on when `advance()` is called for input within the lateness.
 
 Future events: with `record_ts_ms` (the transport's record time) given, an event whose ts is more
-than `max_skew_ms` after it is dropped and counted in `stats.future_events`. It is a comparison
-of two recorded times, never the wall clock, so a replay decides exactly as the live run did.
+than `max_skew_ms` after it is dropped and counted in `stats.future_events` (and per node). It
+only ever counts against its own node: it is never part of any node's progress. It is a
+comparison of two recorded times, never the wall clock.
 """
 
 from __future__ import annotations
@@ -18,47 +37,138 @@ from .settings import NEVER
 __all__ = ["Progress"]
 
 
+class _Node:
+    """One node's progress in a source: newest event ts, newest record ts, active or idle."""
+
+    __slots__ = ("active", "rec", "top")
+
+    def __init__(self, top: int, rec: int) -> None:
+        self.top = top
+        self.rec = rec
+        self.active = True
+
+
+class _Source:
+    __slots__ = ("floor", "newest", "next_idle", "next_offset", "nodes", "rec", "recorded")
+
+    def __init__(self, next_offset: int) -> None:
+        self.next_offset = next_offset
+        self.rec = -NEVER  # newest record time (the event ts where the transport gives none)
+        self.recorded = -NEVER  # newest record time the transport gave
+        self.newest = -NEVER  # newest event ts of any node
+        self.floor = -NEVER  # progress kept before a node joined (see the module docstring)
+        self.next_idle = NEVER  # the earliest record time at which an active node turns idle
+        self.nodes: dict[str, _Node] = {}
+
+    def top(self, idle_extra: int, behind: int) -> int:
+        """The source's progress: the smallest newest ts of its active nodes, at most `behind`
+        before the newest record time, never below what it was; with every node idle, past the
+        newest event by `idle_extra`."""
+        if not self.nodes:
+            return self.floor
+        low = NEVER
+        for n in self.nodes.values():
+            if n.active and n.top < low:
+                low = n.top
+        if low == NEVER:
+            low = self.newest + idle_extra
+        elif self.recorded != -NEVER and self.recorded - behind < low:
+            low = self.recorded - behind
+        return low if low > self.floor else self.floor
+
+
 class Progress:
-    """Per source: the offset after the last one added, and the largest event ts counted."""
+    """Per source: the offset after the last one added, and each node's progress."""
 
-    __slots__ = ("_skew", "_src")
+    __slots__ = ("_idle", "_idle_extra", "_skew", "_src", "future_by_node")
 
-    def __init__(self, max_skew_ms: int) -> None:
+    def __init__(self, max_skew_ms: int, idle_ms: int, idle_extra_ms: int) -> None:
         self._skew = max_skew_ms
-        # per source: [next offset, largest event ts (-NEVER until one counts)]
-        self._src: dict[int, list[int]] = {}
+        self._idle = idle_ms
+        # How far past the newest event an all-idle source's progress goes: far enough that
+        # every value reaches its cap and the window holding it closes.
+        self._idle_extra = idle_extra_ms
+        self._src: dict[int, _Source] = {}
+        self.future_by_node: dict[str, int] = {}
 
     def offset(self, source: int, offset: int) -> None:
         """Every record read, whatever becomes of its event."""
         src = self._src.get(source)
         if src is None:
-            self._src[source] = [offset + 1, -NEVER]
-        elif offset >= src[0]:
-            src[0] = offset + 1
+            self._src[source] = _Source(offset + 1)
+        elif offset >= src.next_offset:
+            src.next_offset = offset + 1
 
-    def too_far_ahead(self, ts: int, record_ts_ms: int | None) -> bool:
-        return record_ts_ms is not None and ts > record_ts_ms + self._skew
+    def too_far_ahead(self, node: str, ts: int, record_ts_ms: int | None) -> bool:
+        if record_ts_ms is not None and ts > record_ts_ms + self._skew:
+            self.future_by_node[node] = self.future_by_node.get(node, 0) + 1
+            return True
+        return False
 
-    def event(self, source: int, ts: int) -> None:
-        """An event that counts for the watermark (after `offset()` for its record)."""
-        src = self._src[source]
-        if ts > src[1]:
-            src[1] = ts
+    def event(self, source: int, node: str, ts: int, record_ts_ms: int | None) -> None:
+        """An event that counts (after `offset()` for its record)."""
+        s = self._src[source]
+        if record_ts_ms is None:
+            rec = ts
+        else:
+            rec = record_ts_ms
+            if rec > s.recorded:
+                s.recorded = rec
+        if rec > s.rec:
+            s.rec = rec
+            if rec >= s.next_idle:
+                self._turn_idle(s, rec)
+        n = s.nodes.get(node)
+        if n is None or not n.active:
+            # Joining lowers the minimum: keep what the others had reached first.
+            s.floor = s.top(self._idle_extra, self._skew)
+            if n is None:
+                n = s.nodes[node] = _Node(ts, rec)
+            else:
+                n.active = True
+        if ts > s.newest:
+            s.newest = ts
+        if ts > n.top:
+            n.top = ts
+        if rec > n.rec:
+            n.rec = rec
+        if n.rec + self._idle < s.next_idle:
+            s.next_idle = n.rec + self._idle
+
+    def idle(self, now_ms: int) -> None:
+        """Record time `now_ms` has come (from other traffic): nodes of a source silent for
+        longer than the idle time turn idle, exactly as at the source's next record."""
+        for s in self._src.values():
+            if now_ms >= s.next_idle:
+                self._turn_idle(s, now_ms)
+
+    def _turn_idle(self, s: _Source, rec: int) -> None:
+        idle = self._idle
+        nxt = NEVER
+        for n in s.nodes.values():
+            if n.active:
+                if n.rec + idle <= rec:
+                    n.active = False
+                elif n.rec + idle < nxt:
+                    nxt = n.rec + idle
+        s.next_idle = nxt
 
     def watermark_top(self) -> int | None:
-        """The smallest of the sources' largest event ts (None before any event counts)."""
-        tops = [top for _, top in self._src.values() if top != -NEVER]
+        """The smallest progress over the sources (None before any event counts)."""
+        tops = [
+            s.top(self._idle_extra, self._skew) for s in self._src.values() if s.newest != -NEVER
+        ]
         return min(tops) if tops else None
 
     def newest(self) -> int | None:
         """The largest event ts of all sources (None before any event counts)."""
-        tops = [top for _, top in self._src.values() if top != -NEVER]
+        tops = [s.newest for s in self._src.values() if s.newest != -NEVER]
         return max(tops) if tops else None
 
     def now(self, source: int) -> int:
         """The largest event ts of `source`."""
-        return self._src[source][1]
+        return self._src[source].newest
 
     def next_offsets(self) -> dict[int, int]:
         """Per source, sorted: the offset after the last one added."""
-        return {src: s[0] for src, s in sorted(self._src.items())}
+        return {src: s.next_offset for src, s in sorted(self._src.items())}

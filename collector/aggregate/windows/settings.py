@@ -8,10 +8,13 @@ import msgspec
 
 from .allocate import POLICIES, Policy
 
-__all__ = ["NEVER", "RETAIN_GAPS", "WindowSettings"]
+__all__ = ["MAX_TS", "NEVER", "RETAIN_GAPS", "WindowSettings"]
 
 # Later (and minus it: earlier) than any event time.
 NEVER: Final = 1 << 62
+# Event times beyond this (the year 144 683) are refused: no clock gives them, and everything
+# derived from a time stays far inside NEVER and a record's bounds.
+MAX_TS: Final = 1 << 52
 # A container's name is kept this many max_gap after its last event (until ContainerGone at
 # most), so a collector that stalls and resumes with changed rows only is still attributed
 # without waiting for its next heartbeat.
@@ -24,6 +27,8 @@ class WindowSettings(msgspec.Struct, frozen=True):
     max_gap_ms: int = 90_000  # default 3 x heartbeat (heartbeat default 30 s)
     max_skew_ms: int = 300_000  # an event this far ahead of its record timestamp is dropped
     allocation_policy: Policy = "max"  # how a GPU's time is shared out (`allocate`)
+    # A node silent this long (in record time) no longer holds its source's windows open.
+    idle_ms: int = 600_000
 
     def __post_init__(self) -> None:
         if self.window_ms <= 0:
@@ -36,3 +41,19 @@ class WindowSettings(msgspec.Struct, frozen=True):
             raise ValueError(f"max_skew_ms must be >= 0, got {self.max_skew_ms}")
         if self.allocation_policy not in POLICIES:
             raise ValueError(f"allocation_policy must be one of {POLICIES}")
+        if self.idle_ms <= 0:
+            raise ValueError(f"idle_ms must be > 0, got {self.idle_ms}")
+
+    @property
+    def lookback_ms(self) -> int:
+        """How far before a time T (in record time) the input must be read again to know the
+        state at T: names are kept `RETAIN_GAPS x max_gap_ms` after their container's last
+        event (values only `max_gap_ms`), and an event's record time can be up to
+        `max_skew_ms` before its ts."""
+        return RETAIN_GAPS * self.max_gap_ms + self.max_skew_ms
+
+    @property
+    def close_after_ms(self) -> int:
+        """How long after a window's end (in record time) it has closed at the latest: every
+        node either moved past it or turned idle, and every value reached its cap."""
+        return self.idle_ms + self.max_skew_ms + self.lateness_ms + self.max_gap_ms + self.window_ms

@@ -19,6 +19,7 @@ from ...events import (
 from .settings import NEVER
 
 __all__ = [
+    "HISTORY_GAPS",
     "NODE_CID",
     "SUPERSEDE",
     "Device",
@@ -63,6 +64,9 @@ Key: TypeAlias = tuple[int, int, int]  # (pid, hostpid, device)
 RowKey: TypeAlias = tuple[int, str, str, str, str]  # (window start, node, pod_uid, ctr, uuid)
 
 effective = itemgetter(0)
+
+# How far back (in max_gap) a track keeps the entries it applied, for the late accounting.
+HISTORY_GAPS: Final = 2
 
 
 class Device:
@@ -142,7 +146,10 @@ class Track:
         "devs",
         "ended",
         "expired",
+        "ended_off",
+        "gone_off",
         "gone_ts",
+        "hist",
         "ident_off",
         "inc",
         "ivs",
@@ -179,12 +186,16 @@ class Track:
         self.expired: dict[Key, int] = {}  # key past its cap -> its sample ts
         # end ts of keys and of (pid, hostpid): only late events consult them
         self.ended: dict[tuple[int, ...], int] = {}
+        self.ended_off: dict[tuple[int, ...], int] = {}  # and the offsets of those ends
         self.alive = False  # an event was seen and no ContainerGone after it
         self.last_ts = -NEVER
         self.gone_ts: int | None = None
+        self.gone_off = -1
         self.pres_off = 0
         self.cut: int | None = None  # where a newer incarnation ended this one
         self.pending: list[Entry] = []
+        # applied entries of the last HISTORY_GAPS x max_gap: only late events consult them
+        self.hist: list[Entry] = []
         self.cur = cur  # integrated up to here
         self.win: int | None = None  # start of the window being accumulated
         self.obs = 0  # presence in that window
