@@ -26,7 +26,7 @@ import msgspec
 from .aggregate.billing import decode_billing
 from .events import UnknownSchemaVersion, decode
 
-_encoder = msgspec.json.Encoder()
+_encoder = msgspec.json.Encoder(decimal_format="number")  # exact record decimals
 
 
 def named(value: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from .records import BillingRecord, to_msgpack
+from .records import BillingRecord, to_json, to_msgpack
 
 SCHEMA_NAME: Final = "hami.billing.v1"
 Format = Literal["json", "msgpack"]
@@ -21,7 +21,6 @@ CONTENT_TYPES: Final[dict[str, bytes]] = {
     "msgpack": b"application/msgpack",
 }
 
-_json_encoder: Final = msgspec.json.Encoder()
 _json_decoder: Final = msgspec.json.Decoder(BillingRecord)
 
 
@@ -29,7 +28,7 @@ def billing_message(
     record: BillingRecord, fmt: Format = "json"
 ) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
     """(key, value, headers) of the message that carries `record`."""
-    value = _json_encoder.encode(record) if fmt == "json" else to_msgpack(record)
+    value = to_json(record) if fmt == "json" else to_msgpack(record)
     headers = [("content-type", CONTENT_TYPES[fmt]), ("schema", SCHEMA_NAME.encode())]
     return record.record_id.encode(), value, headers
 
@@ -49,6 +48,10 @@ def json_schema() -> dict[str, Any]:
     record["required"] = list(BillingRecord.__struct_fields__)
     record["additionalProperties"] = False
     record["properties"]["version"]["const"] = 1
+    for name, prop in record["properties"].items():
+        if prop.get("format") == "decimal":
+            # Sent as a JSON number with three decimals: the exact integral n/1000 (records.py).
+            record["properties"][name] = {"type": "number", "minimum": 0}
     schema["title"] = SCHEMA_NAME
     schema["description"] = (
         "One billing record per Kafka message on the billing topic, keyed by record_id; "
