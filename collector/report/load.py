@@ -123,6 +123,15 @@ def from_parquet(
     fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(dictionary_columns=strings))
     dataset = ds.dataset(files, schema=schema, format=fmt)
     flt = (ds.field("window_start_ms") >= from_ms) & (ds.field("window_start_ms") < to_ms)
-    for batch in dataset.to_batches(columns=columns, filter=flt, batch_size=batch_rows):
+    # One file and one batch ahead at most: the scanner's default read-ahead (4 files, 16
+    # batches) is what the memory of a month-long report grows with.
+    batches = dataset.to_batches(
+        columns=columns,
+        filter=flt,
+        batch_size=batch_rows,
+        batch_readahead=1,
+        fragment_readahead=1,
+    )
+    for batch in batches:
         if batch.num_rows:
             yield pa.Table.from_batches([batch])
