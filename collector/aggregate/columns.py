@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -24,7 +25,8 @@ def _arrow_type(t: Any) -> pa.DataType:
 
     if t is int:
         return pa.int64()
-    if t is float:
+    if t is float or t is Decimal:
+        # Record decimals (exact n/1000 in CSV, JSON and the topic) as doubles for analysis.
         return pa.float64()
     if t is bool:
         return pa.bool_()
@@ -50,6 +52,6 @@ def to_table(records: Sequence[BillingRecord]) -> pa.Table:
     cols: dict[str, list[Any]] = {name: [] for name in schema.names}
     for r in records:
         for name, value in zip(schema.names, msgspec.structs.astuple(r), strict=True):
-            cols[name].append(value)
+            cols[name].append(float(value) if isinstance(value, Decimal) else value)
     cols["labels"] = [list(d.items()) for d in cols["labels"]]
     return pa.table(cols, schema=schema)
