@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .events import MAX_BYTES
 from .layout.declarations import LAYOUTS, MAGIC, MAX_DEVICES, MAX_PROCS, Layout
 
 GiB = 1 << 30
@@ -226,6 +227,8 @@ class CacheWriter:
                 continue
             for d in range(len(self.devices)):
                 mem, sm = out.get(d, (0, 0))
+                if slot.used[d].total > MAX_BYTES:
+                    continue  # wrapped (HAMi #1181): flagged by the reader, never billed
                 util = slot.device_util[d].sm_util if has_util else 0
                 out[d] = (mem + slot.used[d].total, sm + util)
         return out

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Set
 from pathlib import Path
 from typing import Any
 
+from .events import MAX_BYTES
 from .layout.declarations import MAX_DEVICES, MAX_PROCS, Layout
 from .simulate import CacheWriter, MiB, NodeSimulator, SimDevice
 
@@ -141,6 +142,8 @@ class FaultyWriter(CacheWriter):
             watched = copies.get(slot.pid, slot)
             for d in range(len(self.devices)):
                 mem, sm = out.get(d, (0, 0))
+                if slot.used[d].total > MAX_BYTES:
+                    continue  # wrapped (HAMi #1181): flagged by the reader, never billed
                 util = watched.device_util[d].sm_util if has_util else 0
                 out[d] = (mem + slot.used[d].total, sm + util)
         return out
