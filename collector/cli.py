@@ -667,6 +667,24 @@ COLLECT_FLAGS = [
 ]
 
 
+def _window_flags(p: argparse.ArgumentParser) -> None:
+    """The windowing settings `aggregate` and `replay` share (WindowSettings)."""
+    p.add_argument("--window", type=float, help="window length in seconds (default 60)")
+    p.add_argument("--lateness", type=float, help="allowed lateness in seconds (default 10)")
+    p.add_argument("--max-gap", type=float, help="longest a sample holds, seconds (default 90)")
+    p.add_argument(
+        "--max-skew", type=float, help="events this far ahead of their record time are future"
+    )
+    p.add_argument(
+        "--allocation-policy",
+        metavar="{cores,memory,max,usage}",
+        help="how a GPU's time is shared out among its containers (default max)",
+    )
+    p.add_argument(
+        "--idle", type=float, help="a node silent this long no longer holds windows open"
+    )
+
+
 def _kafka_flags(p: argparse.ArgumentParser) -> None:
     """Security flags, the same for every command with --kafka. The password has none: it
     comes from a file or HAMI_USAGE_KAFKA_PASSWORD (flags show in `ps`)."""
@@ -870,20 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the health port listens on (default 0.0.0.0)",
     )
     p.add_argument("--instance", help="replica id for the transactional id (default 0)")
-    p.add_argument("--window", type=float, help="window length in seconds (default 60)")
-    p.add_argument("--lateness", type=float, help="allowed lateness in seconds (default 10)")
-    p.add_argument("--max-gap", type=float, help="longest a sample holds, seconds (default 90)")
-    p.add_argument(
-        "--max-skew", type=float, help="events this far ahead of their record time are future"
-    )
-    p.add_argument(
-        "--allocation-policy",
-        metavar="{cores,memory,max,usage}",
-        help="how a GPU's time is shared out among its containers (default max)",
-    )
-    p.add_argument(
-        "--idle", type=float, help="a node silent this long no longer holds windows open"
-    )
+    _window_flags(p)
     p.add_argument("--csv", metavar="FILE", help="append billing records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="append billing records as JSON Lines")
     p.add_argument(
@@ -935,20 +940,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start, ISO-8601 (UTC if no offset)",
     )
     p.add_argument("--to", required=True, metavar="ISO", help="end, ISO-8601 (exclusive)")
-    p.add_argument("--window", type=float, help="window length in seconds (default 60)")
-    p.add_argument("--lateness", type=float, help="allowed lateness in seconds (default 10)")
-    p.add_argument("--max-gap", type=float, help="longest a sample holds, seconds (default 90)")
-    p.add_argument(
-        "--max-skew", type=float, help="events this far ahead of their record time are future"
-    )
-    p.add_argument(
-        "--allocation-policy",
-        metavar="{cores,memory,max,usage}",
-        help="how a GPU's time is shared out among its containers (default max)",
-    )
-    p.add_argument(
-        "--idle", type=float, help="a node silent this long no longer holds windows open"
-    )
+    _window_flags(p)
     p.add_argument("--csv", metavar="FILE", help="write the records to this CSV file")
     p.add_argument("--jsonl", metavar="FILE", help="write the records as JSON Lines")
     p.add_argument(
