@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from .aggregate.windows import WindowSettings
     from .node.podwatch import KubeSettings
+    from .transport.consumer import ConsumerSettings
     from .transport.security import KafkaSecurity
     from .transport.topics import TopicPlan
 
@@ -217,16 +218,15 @@ def _plan(t: TopicsConfig, usage: str, billing: str) -> TopicPlan:
     )
 
 
-def _run_kafka(command: str, coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a command's Kafka work; a broker that is away or refuses us is one line, exit 1."""
-    import asyncio
-
+@contextmanager
+def _kafka_errors(command: str) -> Iterator[None]:
+    """A broker that is away or refuses us, or a topic that is not there: one line, exit 1."""
     from aiokafka.errors import KafkaError
 
     from .transport.security import classify
 
     try:
-        return asyncio.run(coro)
+        yield
     except BrokerUnreachable as exc:
         print(f"hami-usage {command}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -235,6 +235,21 @@ def _run_kafka(command: str, coro: Coroutine[Any, Any, Any]) -> Any:
         detail = f"Kafka refused: {refusal}" if refusal else f"Kafka: {exc}"
         print(f"hami-usage {command}: {detail}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _run_kafka(command: str, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a command's Kafka work under `_kafka_errors`."""
+    import asyncio
+
+    with _kafka_errors(command):
+        return asyncio.run(coro)
+
+
+def _reader(cfg: KafkaClientConfig, command: str, bootstrap: str) -> ConsumerSettings:
+    """How `replay` and `report` read a topic: no group, the command's security."""
+    from .transport.consumer import ConsumerSettings
+
+    return ConsumerSettings(bootstrap, f"hami-usage-{command}", _security(cfg, command))
 
 
 def _logging(level: int) -> None:
@@ -385,7 +400,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from .report.load import LoadError
     from .report.prices import PriceError, Prices
     from .report.summary import parse_by
-    from .transport.kafka import BrokerUnreachable
 
     from_ms = _iso_ms("--from", args.from_, "report")
     to_ms = _iso_ms("--to", args.to, "report")
@@ -398,6 +412,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         prices = Prices.load(Path(args.prices)) if args.prices else Prices()
     except (ValueError, PriceError) as exc:
         raise UsageError(f"hami-usage report: {exc}") from None
+    cfg = _settings(args, KafkaClientConfig, "report", KAFKA_FLAGS)
     report_args = ReportArgs(
         from_ms=from_ms,
         to_ms=to_ms,
@@ -406,12 +421,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
         csv=[Path(x) for x in args.csv or []],
         jsonl=[Path(x) for x in args.jsonl or []],
         parquet=Path(args.parquet) if args.parquet else None,
-        kafka=args.kafka,
+        kafka=_reader(cfg, "report", args.kafka) if args.kafka else None,
         billing_topic=args.billing_topic,
     )
+    _logging(logging.WARNING)
     try:
-        bill, summary = make_report(report_args)
-    except (LoadError, BrokerUnreachable) as exc:
+        with _kafka_errors("report"):
+            bill, summary = make_report(report_args)
+    except LoadError as exc:
         print(f"hami-usage report: {exc}", file=sys.stderr)
         return 1
     if args.out_csv:
@@ -565,9 +582,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     window = _window(cfg)
     _logging(logging.WARNING)
     if cfg.kafka:
-        security = _security(cfg, "replay")
+        source = _reader(cfg, "replay", cfg.kafka)
         written, stats = _run_kafka(
-            "replay", replay_kafka(cfg.kafka, cfg.topic, window, rng, cfg.csv, cfg.jsonl, security)
+            "replay", replay_kafka(source, cfg.topic, window, rng, cfg.csv, cfg.jsonl)
         )
     else:
         if not Path(cfg.log).is_dir():
@@ -1008,6 +1025,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--billing-topic", default="hami.billing.v1", help="billing topic (default hami.billing.v1)"
     )
+    p.add_argument("--config", type=Path, help="TOML file; Kafka security in its [report] table")
+    _kafka_flags(p)
     p.add_argument(
         "--by",
         action="append",

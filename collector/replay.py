@@ -27,8 +27,8 @@ from .aggregate.service import (
     read_damage,
 )
 from .aggregate.windows import Aggregator, WindowSettings
+from .transport.consumer import ConsumerSettings, read_range
 from .transport.locallog import LogReader
-from .transport.security import KafkaSecurity
 
 # Record timestamps are the collector's append or send time, a little after the event time.
 SLACK_MS = 60_000
@@ -167,56 +167,17 @@ def replay_local(
 
 
 async def replay_kafka(
-    bootstrap: str,
+    source: ConsumerSettings,
     topic: str,
     window: WindowSettings,
     rng: ReplayRange,
     csv: str | None,
     jsonl: str | None,
-    security: KafkaSecurity | None = None,
 ) -> tuple[int, InputStats]:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    from .transport.kafka import wait_for_broker
-
-    start = replay_start_ms(window, rng)
-    security = security or KafkaSecurity()
-    await wait_for_broker(bootstrap, 10.0, security)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-        client_id="hami-usage-replay",
-        **security.client_kwargs(),
-    )
-    await consumer.start()
-    try:
-        # aiokafka has no public call that loads one topic's partitions into the consumer.
-        await consumer._client.force_metadata_update()  # noqa: SLF001
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(tps)
-        found = await consumer.offsets_for_times({tp: max(start, 0) for tp in tps})
-        ends = await consumer.end_offsets(tps)
-        begins = await consumer.beginning_offsets(tps)
-        firsts = {tp: (found[tp].offset if found.get(tp) else ends[tp]) for tp in tps}
-        for tp in tps:
-            consumer.seek(tp, max(firsts[tp], begins[tp]))
-        replay = Replay(sum(ends[tp] - firsts[tp] for tp in tps), window, rng)
-        while pending := [
-            tp
-            for tp in tps
-            if tp.partition not in replay.finished and await consumer.position(tp) < ends[tp]
-        ]:
-            got = await consumer.getmany(*pending, timeout_ms=1000, max_records=5000)
-            replay.feed(
-                [
-                    Raw(tp.partition, m.offset, m.timestamp, m.key, m.value)
-                    for tp, msgs in got.items()
-                    for m in msgs
-                ]
-            )
-    finally:
-        await consumer.stop()
+    async with read_range(source, topic, replay_start_ms(window, rng)) as reading:
+        replay = Replay(reading.total, window, rng)
+        async for batch in reading.batches(replay.finished):
+            replay.feed([Raw(m.partition, m.offset, m.timestamp, m.key, m.value) for m in batch])
     outputs = Outputs.open(csv, jsonl, None, Checkpoint())
     try:
         stats = replay.finish(outputs)

@@ -27,7 +27,14 @@ from otel_names import prometheus_name
 
 from collector import cli
 from collector.aggregate import otlp
-from collector.config import AggregateConfig, CollectConfig, ReplayConfig, TopicsConfig, load
+from collector.config import (
+    AggregateConfig,
+    CollectConfig,
+    KafkaClientConfig,
+    ReplayConfig,
+    TopicsConfig,
+    load,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -429,6 +436,7 @@ _SETTINGS: dict[str, tuple[type[Any], list[str]]] = {
     "aggregate": (AggregateConfig, cli.AGGREGATE_FLAGS),
     "replay": (ReplayConfig, cli.REPLAY_FLAGS),
     "topics": (TopicsConfig, cli.TOPICS_FLAGS),
+    "report": (KafkaClientConfig, cli.KAFKA_FLAGS),
 }
 
 

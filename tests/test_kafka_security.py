@@ -205,10 +205,10 @@ def test_pipeline_over_mutual_tls(
 
 @pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
 def test_each_sasl_mechanism_and_a_wrong_password(
-    secure: SecureBroker, mechanism: str, tmp_path: Path
+    secure: SecureBroker, names: dict[str, str], mechanism: str, tmp_path: Path
 ) -> None:
     flags = sasl(secure, "aggregator", mechanism)
-    args = ["replay", "--topic", "hami.usage.none", "--from", "2026-01-01T00:00:00",
+    args = ["replay", "--topic", names["usage"], "--from", "2026-01-01T00:00:00",
             "--to", "2026-01-01T00:01:00", "--jsonl", str(tmp_path / "r.jsonl")]  # fmt: skip
     ok = run(*args, *flags)
     assert ok.returncode == 0, ok.stderr

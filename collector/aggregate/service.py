@@ -423,11 +423,12 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
 
 
 async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Outputs:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka import AIOKafkaProducer, TopicPartition
     from aiokafka.abc import ConsumerRebalanceListener
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.structs import OffsetAndMetadata
 
+    from ..transport.consumer import ConsumerSettings, make_consumer
     from ..transport.kafka import wait_for_broker
 
     assert settings.kafka is not None
@@ -438,17 +439,16 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     watch = DamageWatch(settings.stats.damage)
     security = settings.security.client_kwargs
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka, **security())
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka,
-        group_id=settings.group,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-        auto_offset_reset="earliest",
-        client_id=f"hami-usage-aggregator-{settings.instance}",
-        # Static membership: a restarted replica gets its partitions back at once instead of
-        # waiting for its dead predecessor's session to time out.
-        group_instance_id=f"{settings.group}-{settings.instance}",
-        **security(),
+    consumer = make_consumer(
+        ConsumerSettings(
+            settings.kafka,
+            f"hami-usage-aggregator-{settings.instance}",
+            settings.security,
+            group=settings.group,
+            # A restarted replica gets its partitions back at once instead of waiting for its
+            # dead predecessor's session to time out.
+            group_instance_id=f"{settings.group}-{settings.instance}",
+        )
     )
     producer = AIOKafkaProducer(
         bootstrap_servers=settings.kafka,

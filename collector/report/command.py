@@ -10,14 +10,17 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..aggregate.records import BillingRecord, from_msgpack
+from ..aggregate.billing import decode_billing
+from ..aggregate.records import BillingRecord
 from .bill import Bill, hours, make_bill, money
-from .load import from_csv, from_jsonl, from_parquet, from_records
+from .load import LoadError, from_csv, from_jsonl, from_parquet, from_records
 from .prices import Prices
 from .summary import Summary, columns_for
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+    from ..transport.consumer import ConsumerSettings
 
 __all__ = ["ReportArgs", "bucket_for", "make_report", "table_text"]
 
@@ -31,7 +34,7 @@ class ReportArgs:
     csv: list[Path]
     jsonl: list[Path]
     parquet: Path | None = None
-    kafka: str | None = None
+    kafka: ConsumerSettings | None = None  # the billing topic's reader
     billing_topic: str = "hami.billing.v1"
 
 
@@ -40,46 +43,22 @@ def bucket_for(from_ms: int, to_ms: int) -> int:
     return 3_600_000 if to_ms - from_ms <= 3 * 86_400_000 else 86_400_000
 
 
-def _decode_billing(payload: bytes) -> BillingRecord:
-    if payload[:1] == b"{":  # the billing topic as JSON
-        return msgspec.json.decode(payload, type=BillingRecord)
-    return from_msgpack(payload)
+async def _from_kafka(source: ConsumerSettings, topic: str, from_ms: int, to_ms: int) -> pa.Table:
+    from ..transport.consumer import read_range
 
-
-async def _from_kafka(bootstrap: str, topic: str, from_ms: int, to_ms: int) -> pa.Table:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    from ..transport.kafka import wait_for_broker
-    from ..transport.security import KafkaSecurity
-
-    security = KafkaSecurity()  # plaintext: report takes no security flags yet
-    await wait_for_broker(bootstrap, 10.0, security)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-        client_id="hami-usage-report",
-        **security.client_kwargs(),
-    )
-    await consumer.start()
     records: list[BillingRecord] = []
-    try:
-        await consumer._client.force_metadata_update()  # noqa: SLF001
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(tps)
-        # a window's record is published after the window closed: nothing of [from, to)
-        # was published before `from`
-        found = await consumer.offsets_for_times({tp: max(from_ms, 0) for tp in tps})
-        ends = await consumer.end_offsets(tps)
-        for tp in tps:
-            f = found.get(tp)
-            consumer.seek(tp, f.offset if f else ends[tp])
-        while pending := [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
-            got = await consumer.getmany(*pending, timeout_ms=1000, max_records=5000)
-            for msgs in got.values():
-                records += [_decode_billing(m.value) for m in msgs if m.value is not None]
-    finally:
-        await consumer.stop()
+    # A window's record is published after the window closed: nothing of [from, to) was
+    # published before `from`.
+    async with read_range(source, topic, from_ms) as reading:
+        async for batch in reading.batches():
+            for m in batch:
+                if m.value is None:
+                    continue
+                try:
+                    records.append(decode_billing(m.value))
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    where = f"{topic} partition {m.partition} offset {m.offset}"
+                    raise LoadError(f"{where}: not a billing record: {e}") from None
     return from_records(records, from_ms, to_ms)
 
 
