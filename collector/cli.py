@@ -320,7 +320,9 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         metrics_bind_address=cfg.metrics_bind_address,
         metrics_hami=cfg.metrics_hami,
         metrics_hami_legacy=cfg.metrics_hami_legacy,
-        listing=ListingLimits(cfg.dir_max_entries, cfg.dir_relist, cfg.listing_budget),
+        listing=ListingLimits(
+            cfg.dir_max_entries, cfg.dir_relist, cfg.listing_budget, cfg.open_files
+        ),
         writer_faults=WriterFaultSettings(cfg.stuck_seqlock_after),
         kube=_kube(cfg),
     )
@@ -673,6 +675,7 @@ COLLECT_FLAGS = [
     "dir_max_entries",
     "dir_relist",
     "listing_budget",
+    "open_files",
     "stuck_seqlock_after",
     "kubernetes",
     "kubeconfig",
@@ -848,6 +851,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--listing-budget",
         type=float,
         help="seconds of folder listing per scan; the rest waits for the next (default 0.2)",
+    )
+    p.add_argument(
+        "--open-files",
+        type=int,
+        help="descriptors of container folders and cache files kept open across scans "
+        "(default 16384; 0: open and close each file every scan)",
     )
     p.add_argument(
         "--stuck-seqlock-after",

@@ -85,6 +85,8 @@ class CollectConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown
     dir_max_entries: Annotated[int, Meta(gt=0, le=10_000_000)] = 1000
     dir_relist: Positive = 60.0
     listing_budget: Annotated[float, Meta(gt=0, le=60)] = 0.2
+    # Descriptors (container folders and cache files) kept open across scans; 0 keeps none.
+    open_files: Annotated[int, Meta(ge=0, le=1_000_000)] = 16384
     # A slot whose seqlock stays odd, its bytes unchanged, on two scans this far apart (0: on
     # two consecutive scans): a writer killed mid-update.
     stuck_seqlock_after: Annotated[float, Meta(ge=0, le=HOUR)] = 0.0

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from ..events import MAX_BYTES, MAX_PERCENT
 from .declarations import MAX_DEVICES, MAX_PROCS, UUID_LEN, Layout
-from .detect import HEADER_BYTES, detect
+from .detect import HEADER_BYTES, Detection, detect
 from .snapshot import Anomaly, DeviceInfo, DeviceUsage, ProcSnapshot, Snapshot, empty_snapshot
 
 U64_MASK = (1 << 64) - 1
@@ -359,60 +359,106 @@ def _within_contents(
     return slots
 
 
-def snapshot_fd(fd: int, path: str, *, retries: int = DEFAULT_RETRIES) -> Snapshot:
-    """Snapshot of an open, read-only descriptor. Never raises for file content."""
+class ParseMemo:
+    """What the last snapshot of one file parsed, reused where its bytes are the same.
+
+    Parsing is a pure function of the bytes read (and the layout and device count), so a slot
+    whose consistent bytes equal last scan's, compared in full, parses to the same
+    `ProcSnapshot` and anomalies: those objects are reused instead of rebuilt. Reading is never
+    skipped: every snapshot still reads and checks every byte it uses. One memo per file; it
+    holds the last scan's slots only (at most `MAX_PROCS`).
+    """
+
+    __slots__ = ("header", "slots", "block")
+
+    def __init__(self) -> None:
+        # (size, header bytes) -> (detection, device_num, devices, their anomalies)
+        self.header: tuple[int, bytes, Detection, int, list[DeviceInfo], list[Anomaly]] | None = (
+            None
+        )
+        # slot -> (the _Short it was parsed with, its bytes, the proc, its anomalies)
+        self.slots: dict[int, tuple[_Short, bytes, ProcSnapshot, list[Anomaly]]] = {}
+        # slots [0, proc_num) in one piece -> the procs, their anomalies and live totals
+        self.block: (
+            tuple[_Short, bytes, list[ProcSnapshot], list[Anomaly], tuple[int, ...]] | None
+        ) = None
+
+
+def snapshot_fd(
+    fd: int,
+    path: str,
+    *,
+    retries: int = DEFAULT_RETRIES,
+    memo: ParseMemo | None = None,
+    st: os.stat_result | None = None,
+) -> Snapshot:
+    """Snapshot of an open, read-only descriptor. Never raises for file content.
+
+    `st`: the descriptor's `fstat` when the caller has just taken it (the collector, which
+    checks the file it keeps open on each scan); `memo`: see `ParseMemo`."""
     f = _File(fd)
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        return empty_snapshot(path, 0, [Anomaly("unreadable", f"fstat failed: {exc.strerror}")])
+    if st is None:
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            detail = f"fstat failed: {exc.strerror}"
+            return empty_snapshot(path, 0, [Anomaly("unreadable", detail)])
     if not stat.S_ISREG(st.st_mode):
         return empty_snapshot(path, 0, [Anomaly("unreadable", "not a regular file")])
     size = st.st_size
     header = f.read_at(0, HEADER_BYTES)
-    found = detect(size, header, f.read_at)
-    anomalies = list(found.anomalies)
-    layout = found.layout
-    if layout is None:
-        return empty_snapshot(
-            path,
-            size,
-            anomalies,
-            initialized=found.initialized,
-            major=found.major,
-            minor=found.minor,
-        )
+    known = memo.header if memo is not None else None
+    if known is not None and known[0] == size and known[1] == header:
+        # The same size and header as last scan, and the layout was told from them alone.
+        _, _, found, device_num, devices, device_anomalies = known
+        layout = found.layout
+        assert layout is not None
+        anomalies = list(found.anomalies)
+    else:
+        probed: list[int] = []
+
+        def read_at(offset: int, length: int) -> bytes:
+            probed.append(offset)
+            return f.read_at(offset, length)
+
+        found = detect(size, header, read_at)
+        anomalies = list(found.anomalies)
+        layout = found.layout
+        if layout is None:
+            return empty_snapshot(
+                path,
+                size,
+                anomalies,
+                initialized=found.initialized,
+                major=found.major,
+                minor=found.minor,
+            )
+        # Bytes a truncated file lacks read as zero; the `truncated` anomaly says so.
+        padded = header.ljust(HEADER_BYTES, b"\0")
+        device_num, devices, device_anomalies = _devices(_codec(layout), layout, padded)
+        if memo is not None:
+            # Detection that read beyond the header (v0, v1.1) is not kept: those bytes change.
+            keep = not probed
+            memo.header = (
+                (size, header, found, device_num, devices, device_anomalies) if keep else None
+            )
     if size < layout.region_size:
         anomalies.append(
             Anomaly("truncated", f"{size} bytes, {layout.name} needs {layout.region_size}")
         )
     codec = _codec(layout)
-    # Bytes a truncated file lacks read as zero; the `truncated` anomaly says so.
-    header = header.ljust(HEADER_BYTES, b"\0")
-    device_num = _u64_at(header, layout.device_num)
+    anomalies += device_anomalies
     ndev = min(device_num, MAX_DEVICES)
-    if device_num > MAX_DEVICES:
-        detail = f"device_num {device_num} is above {MAX_DEVICES}"
-        anomalies.append(Anomaly("device_num_out_of_range", detail, value=device_num))
-    limits = codec.limits.unpack_from(header, layout.limit)
-    sm_limits = codec.limits.unpack_from(header, layout.sm_limit)
-    devices: list[DeviceInfo] = []
-    for d in range(ndev):
-        off = layout.uuids + d * UUID_LEN
-        raw = header[off : off + UUID_LEN]
-        uuid, valid = _uuid(raw)
-        if not valid:
-            detail = f"uuid on device {d} is not an NVML UUID: {_uuid_fault(raw)}"
-            anomalies.append(Anomaly("invalid_uuid", detail, device=d))
-        devices.append(DeviceInfo(d, uuid, limits[d], sm_limits[d]))
 
     tail_len = layout.region_size - layout.proc_num
     tail = f.read_at(layout.proc_num, tail_len)
     proc_num = 0
     priority = utilization_switch = recent_kernel = 0
     last_kernel_time: int | None = None
+    tail_fields = (0, 0, 0)
     if len(tail) >= codec.tail.size:
         proc_num, utilization_switch, recent_kernel, priority = codec.tail.unpack_from(tail, 0)
+        tail_fields = (priority, utilization_switch, recent_kernel)
         if (
             layout.last_kernel_time is not None
             and len(tail) >= layout.last_kernel_time - layout.proc_num + 8
@@ -421,6 +467,13 @@ def snapshot_fd(fd: int, path: str, *, retries: int = DEFAULT_RETRIES) -> Snapsh
                 tail, layout.last_kernel_time - layout.proc_num
             )
         if 0 <= proc_num <= MAX_PROCS:
+            block = _read_clean(f, layout, proc_num) if memo is not None else None
+            if block is not None:
+                assert memo is not None
+                procs, live_used = _parse_block(memo, codec, layout, ndev, block, anomalies)
+                _check_limits(devices, live_used, anomalies)
+                return _snapshot(path, size, layout, found, device_num, devices, proc_num,
+                                 procs, tail_fields, last_kernel_time, anomalies)  # fmt: skip
             slots = _read_slots(f, layout, proc_num, retries, anomalies)
             slots = _within_contents(slots, proc_num, anomalies)
         else:
@@ -430,10 +483,33 @@ def snapshot_fd(fd: int, path: str, *, retries: int = DEFAULT_RETRIES) -> Snapsh
     else:
         slots = _scan_contiguous(f, layout, size, retries, anomalies)
 
+    if memo is not None:
+        memo.block = None  # read slot by slot: the next scan compares slot by slot too
     short = _short(layout, ndev)
     live_used = [0] * MAX_DEVICES  # sum of `total` over live processes, per device
-    procs = [_parse_proc(codec, short, k, raw, ndev, live_used, anomalies) for k, raw in slots]
+    if memo is None:
+        procs = [_parse_proc(codec, short, k, raw, ndev, live_used, anomalies) for k, raw in slots]
+    else:
+        procs = _parse_memo(memo, codec, short, slots, ndev, live_used, anomalies)
     _check_limits(devices, live_used, anomalies)
+    return _snapshot(path, size, layout, found, device_num, devices, proc_num, procs,
+                     tail_fields, last_kernel_time, anomalies)  # fmt: skip
+
+
+def _snapshot(
+    path: str,
+    size: int,
+    layout: Layout,
+    found: Detection,
+    device_num: int,
+    devices: list[DeviceInfo],
+    proc_num: int,
+    procs: list[ProcSnapshot],
+    tail_fields: tuple[int, int, int],
+    last_kernel_time: int | None,
+    anomalies: list[Anomaly],
+) -> Snapshot:
+    priority, utilization_switch, recent_kernel = tail_fields
     return Snapshot(
         path=path,
         size=size,
@@ -451,6 +527,107 @@ def snapshot_fd(fd: int, path: str, *, retries: int = DEFAULT_RETRIES) -> Snapsh
         last_kernel_time=last_kernel_time,
         anomalies=anomalies,
     )
+
+
+def _read_clean(f: _File, layout: Layout, count: int) -> bytes | None:
+    """Slots [0, count) in one piece when the usual case holds (`_read_slots`' fast path: the
+    reads agree and no seqlock is odd); None otherwise, and the caller reads slot by slot."""
+    size = layout.slot_size
+    start = layout.slot_offset(0)
+    seq = layout.slot_seqlock
+    n = count * size
+    # seqlock: seq (read r0) -> slot (read r1) -> seq (read r2); each a separate read.
+    before = f.read_at(start, n) if seq is not None else b""
+    data = f.read_at(start, n)
+    after = f.read_at(start, n)
+    if len(data) != n or len(after) != n:
+        return None
+    if seq is None:
+        return data if data == after else None
+    if before != after or 1 in before[seq:n:size].translate(_LOW_BIT):
+        return None
+    return data
+
+
+def _parse_block(
+    memo: ParseMemo,
+    codec: _Codec,
+    layout: Layout,
+    ndev: int,
+    block: bytes,
+    anomalies: list[Anomaly],
+) -> tuple[list[ProcSnapshot], list[int]]:
+    """Procs and per-device live totals of a consistent block of slots [0, count): last scan's
+    when the block is the same bytes, else parsed (slot by slot through the memo)."""
+    short = _short(layout, ndev)
+    last = memo.block
+    if last is not None and last[0] is short and last[1] == block:
+        anomalies += last[3]
+        return last[2], list(last[4])
+    size = layout.slot_size
+    slot_anomalies: list[Anomaly] = []
+    slots = [(k, block[k * size : k * size + size]) for k in range(len(block) // size)]
+    slots = _within_contents(slots, len(slots), slot_anomalies)
+    live_used = [0] * MAX_DEVICES
+    procs = _parse_memo(memo, codec, short, slots, ndev, live_used, slot_anomalies)
+    memo.block = (short, block, procs, slot_anomalies, tuple(live_used))
+    anomalies += slot_anomalies
+    return procs, live_used
+
+
+def _devices(
+    codec: _Codec, layout: Layout, header: bytes
+) -> tuple[int, list[DeviceInfo], list[Anomaly]]:
+    """device_num, the device table and what is wrong with it, from a (padded) header."""
+    anomalies: list[Anomaly] = []
+    device_num = _u64_at(header, layout.device_num)
+    ndev = min(device_num, MAX_DEVICES)
+    if device_num > MAX_DEVICES:
+        detail = f"device_num {device_num} is above {MAX_DEVICES}"
+        anomalies.append(Anomaly("device_num_out_of_range", detail, value=device_num))
+    limits = codec.limits.unpack_from(header, layout.limit)
+    sm_limits = codec.limits.unpack_from(header, layout.sm_limit)
+    devices: list[DeviceInfo] = []
+    for d in range(ndev):
+        off = layout.uuids + d * UUID_LEN
+        raw = header[off : off + UUID_LEN]
+        uuid, valid = _uuid(raw)
+        if not valid:
+            detail = f"uuid on device {d} is not an NVML UUID: {_uuid_fault(raw)}"
+            anomalies.append(Anomaly("invalid_uuid", detail, device=d))
+        devices.append(DeviceInfo(d, uuid, limits[d], sm_limits[d]))
+    return device_num, devices, anomalies
+
+
+def _parse_memo(
+    memo: ParseMemo,
+    codec: _Codec,
+    short: _Short,
+    slots: list[tuple[int, bytes]],
+    ndev: int,
+    live_used: list[int],
+    anomalies: list[Anomaly],
+) -> list[ProcSnapshot]:
+    """_parse_proc of each slot, or last scan's result for a slot whose bytes are the same."""
+    last = memo.slots
+    now: dict[int, tuple[_Short, bytes, ProcSnapshot, list[Anomaly]]] = {}
+    procs: list[ProcSnapshot] = []
+    for k, raw in slots:
+        hit = last.get(k)
+        if hit is not None and hit[0] is short and hit[1] == raw:
+            now[k] = hit
+            proc, extra = hit[2], hit[3]
+            if proc.pid != 0:
+                for u in proc.devices:
+                    live_used[u.index] += u.total
+        else:
+            extra = []
+            proc = _parse_proc(codec, short, k, raw, ndev, live_used, extra)
+            now[k] = (short, raw, proc, extra)
+        anomalies += extra
+        procs.append(proc)
+    memo.slots = now
+    return procs
 
 
 def _u64_at(buf: bytes, off: int) -> int:

@@ -13,12 +13,22 @@ could be a link to a file elsewhere on the same filesystem: it is refused too.
 Listing is bounded (see `ListingLimits`): a directory with more entries than a cache directory
 ever holds is listed at most once per `relist_s`, and listings stop for the rest of a scan once
 the scan has spent `budget_s` on them (the directories left wait for the next scan).
+
+Descriptors are kept open across scans, at most `open_files` of them (container directories and
+cache files together; past the bound a file is opened and closed on each scan as before). A kept
+descriptor is used again only while it is still what its name is: the directory's (st_dev,
+st_ino) from the root's listing this scan, and for a file an `lstat` of its name relative to the
+kept directory each scan, equal to what was opened. A name replaced by another file (a new
+inode) or by a symlink, or that gained a hard link, gets the answer a fresh open would: reopened
+through the same checks, refused, or gone. Cache files are written through shared mappings,
+never replaced in place, so the inode is what identifies one.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import resource
 import stat
 import time
 from dataclasses import dataclass, field
@@ -49,11 +59,35 @@ class Skipped:
 
 @dataclass(frozen=True)
 class ListingLimits:
-    """Bounds on directory work per scan (see the module docstring)."""
+    """Bounds on directory work per scan, and on descriptors kept (see the module docstring)."""
 
     max_entries: int = 1000  # a HAMi container directory holds one or two files
     relist_s: float = 60.0
     budget_s: float = 0.2
+    open_files: int = 16384  # descriptors kept open across scans; 0 keeps none
+
+
+# Descriptors left under RLIMIT_NOFILE for everything else (sockets, the log, NVML, listings).
+FD_RESERVE = 256
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A cache file's read-only descriptor, as `Discovery.open` hands it out."""
+
+    fd: int
+    st: os.stat_result  # taken this scan: the file the descriptor reads
+    kept: bool  # held across scans by Discovery; otherwise the caller closes it
+
+
+@dataclass
+class _Held:
+    """A kept container directory and the cache files kept open in it."""
+
+    fd: int
+    dev: int
+    ino: int
+    files: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # name -> fd, dev, ino
 
 
 @dataclass
@@ -79,8 +113,22 @@ class Discovery:
         self.stats = ListingStats()
         self._dirs: dict[str, _Dir] = {}
         self._root_fd: int | None = None
+        self._held: dict[str, _Held] = {}  # container directory name -> what is kept in it
+        self._open_count = 0  # descriptors in _held
+        self.max_open = _fd_bound(self.limits.open_files)
 
     def close(self) -> None:
+        """Close every descriptor (the root and the kept ones)."""
+        self._close_root()
+        for name in list(self._held):
+            self._drop_dir(name)
+
+    @property
+    def open_count(self) -> int:
+        """Descriptors kept open across scans now."""
+        return self._open_count
+
+    def _close_root(self) -> None:
         if self._root_fd is not None:
             os.close(self._root_fd)
             self._root_fd = None
@@ -88,7 +136,7 @@ class Discovery:
     def scan(self) -> tuple[list[CacheFile], list[Skipped]]:
         # The root itself is the operator's setting (it may be a symlink, e.g. a host path);
         # everything below it is the tenants'. Reopened each scan in case it was remounted.
-        self.close()
+        self._close_root()
         try:
             self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             # scandir(fd) lists a dup of the descriptor: ours keeps its offset for openat.
@@ -97,6 +145,8 @@ class Discovery:
             return [], [Skipped(str(self.root), f"cannot list the root: {exc.strerror}")]
         skipped: list[Skipped] = []
         dirs: list[tuple[str, str, int]] = []  # (name, path, mtime_ns) of container directories
+        held = self._held
+        still: set[str] = set()  # kept directories that are still the same directory
         for entry in entries:
             path = os.path.join(self.root, entry.name)
             try:
@@ -111,6 +161,11 @@ class Discovery:
                 skipped.append(Skipped(path, "directory name has no '_' (podUID_container)"))
             else:
                 dirs.append((entry.name, path, st.st_mtime_ns))
+                h = held.get(entry.name)
+                if h is not None and h.ino == st.st_ino and h.dev == st.st_dev:
+                    still.add(entry.name)
+        for name in [n for n in held if n not in still]:
+            self._drop_dir(name)  # gone, replaced, or a symlink now
         listed = self._relist(dirs)
         files: list[CacheFile] = []
         large = 0
@@ -127,7 +182,19 @@ class Discovery:
             skipped += d.skipped
         self._dirs = listed
         self.stats.large = large
+        self._release_unlisted(files)
         return files, skipped
+
+    def _release_unlisted(self, files: list[CacheFile]) -> None:
+        """Close kept files no longer listed (deleted, renamed, or no longer a cache file)."""
+        if not self._open_count:
+            return
+        listed = {f.path for f in files}
+        for dir_name, h in self._held.items():
+            if h.files:
+                directory = os.path.join(self.root, dir_name)
+                for name in [n for n in h.files if os.path.join(directory, n) not in listed]:
+                    self._drop_file(h, name)
 
     def _relist(self, dirs: list[tuple[str, str, int]]) -> dict[str, _Dir]:
         """The listing of each directory: the cached one, or a new one where it is due and the
@@ -199,15 +266,31 @@ class Discovery:
             d.files.append(CacheFile(pod_uid, container, file_path, ino))
         return d
 
-    def open(self, f: CacheFile) -> int | Skipped:
-        """A read-only descriptor of `f`, opened beneath the root through no symlink, or why it
-        is refused. Raises FileNotFoundError when it is gone and OSError when it cannot be
-        opened for another reason."""
+    def open(self, f: CacheFile) -> Opened | Skipped:
+        """A read-only descriptor of `f`, opened beneath the root through no symlink (or kept
+        from an earlier scan while its name still is that file), or why it is refused. Raises
+        FileNotFoundError when it is gone and OSError when it cannot be opened for another
+        reason."""
         if self._root_fd is None:
             raise FileNotFoundError(2, "the root is not open", f.path)
         directory, name = os.path.split(f.path)
+        dir_name = os.path.basename(directory)
+        h = self._held.get(dir_name)
+        kept = h.files.get(name) if h is not None else None
+        if h is not None and kept is not None:
+            try:
+                st = os.stat(name, dir_fd=h.fd, follow_symlinks=False)
+            except OSError:
+                self._drop_file(h, name)
+                raise
+            if st.st_ino == kept[2] and st.st_dev == kept[1] and stat.S_ISREG(st.st_mode):
+                if st.st_nlink > 1:
+                    self._drop_file(h, name)
+                    return _hard_linked(f.path, st.st_nlink)
+                return Opened(kept[0], st, True)
+            self._drop_file(h, name)  # replaced: open what the name is now
         try:
-            dir_fd = self._open_dir(os.path.basename(directory))
+            dir_fd, dir_kept = self._dir_fd(dir_name)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 return Skipped(directory, SYMLINK)
@@ -219,7 +302,8 @@ class Discovery:
                 return Skipped(f.path, SYMLINK)
             raise
         finally:
-            os.close(dir_fd)
+            if not dir_kept:
+                os.close(dir_fd)
         try:
             st = os.fstat(fd)
         except OSError:
@@ -227,8 +311,52 @@ class Discovery:
             raise
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
             os.close(fd)
-            return Skipped(f.path, f"a hard-linked file ({st.st_nlink} links): not read")
-        return fd
+            return _hard_linked(f.path, st.st_nlink)
+        h = self._held.get(dir_name)
+        if h is not None and stat.S_ISREG(st.st_mode) and self._open_count < self.max_open:
+            h.files[name] = (fd, st.st_dev, st.st_ino)
+            self._open_count += 1
+            return Opened(fd, st, True)
+        return Opened(fd, st, False)
+
+    def _dir_fd(self, name: str) -> tuple[int, bool]:
+        """A container directory's descriptor: the kept one, or a new one kept when the bound
+        allows (True) or to be closed by the caller (False)."""
+        h = self._held.get(name)
+        if h is not None:
+            return h.fd, True
+        fd = self._open_dir(name)
+        # Room for the directory and one file in it, or neither is kept.
+        if self._open_count + 2 <= self.max_open:
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                os.close(fd)
+                raise
+            self._held[name] = _Held(fd, st.st_dev, st.st_ino)
+            self._open_count += 1
+            return fd, True
+        return fd, False
+
+    def _drop_file(self, h: _Held, name: str) -> None:
+        kept = h.files.pop(name, None)
+        if kept is not None:
+            os.close(kept[0])
+            self._open_count -= 1
+
+    def _drop_dir(self, name: str) -> None:
+        h = self._held.pop(name)
+        for fd, _, _ in h.files.values():
+            os.close(fd)
+        os.close(h.fd)
+        self._open_count -= 1 + len(h.files)
+
+    def forget(self, f: CacheFile) -> None:
+        """Close `f`'s kept descriptor, if any (the scanner no longer reads it)."""
+        directory, name = os.path.split(f.path)
+        h = self._held.get(os.path.basename(directory))
+        if h is not None:
+            self._drop_file(h, name)
 
     def _open_dir(self, name: str) -> int:
         """A container directory's descriptor. Raises OSError with ELOOP for a symlink and
@@ -241,6 +369,29 @@ class Discovery:
             if stat.S_ISLNK(st.st_mode):
                 raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), name) from None
             raise FileNotFoundError(errno.ENOENT, "no longer a directory", name) from None
+
+
+def _hard_linked(path: str, links: int) -> Skipped:
+    return Skipped(path, f"a hard-linked file ({links} links): not read")
+
+
+def _fd_bound(wanted: int) -> int:
+    """`wanted`, or fewer where RLIMIT_NOFILE would not leave FD_RESERVE descriptors for the
+    rest. The soft limit is raised towards the hard one first, as Go programs do at start."""
+    if wanted <= 0:
+        return 0
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = wanted + FD_RESERVE
+        if soft != resource.RLIM_INFINITY and soft < need:
+            raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    except (OSError, ValueError):
+        return 0
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(0, min(wanted, soft - FD_RESERVE))
 
 
 def _unlisted(d: _Dir, path: str, exc: OSError) -> _Dir:

@@ -22,7 +22,7 @@ from ..events import (
     Heartbeat,
     LayoutAnomaly,
 )
-from ..layout.reader import snapshot_fd
+from ..layout.reader import ParseMemo, snapshot_fd
 from ..layout.snapshot import Anomaly, Snapshot, empty_snapshot
 from .clock import Clock, EventClock, Step
 from .crosscheck import CrossCheck
@@ -77,6 +77,7 @@ class Scanner:
         self.stats = ScanStats(clock_offset_ms=self.clock.offset_ms)
         self.published: list[tuple[ContainerState, int | None]] = []
         self._files: dict[tuple[str, int], FileState] = {}
+        self._memos: dict[tuple[str, int], ParseMemo] = {}  # per file, as _files
         self._skipped: set[tuple[str, str, str]] = set()
         self._next_cid = 0
         self._last_heartbeat_ms: int | None = None
@@ -151,6 +152,8 @@ class Scanner:
             presence.end()
         self._report_skipped(refused, skipped_now, events)
         self.writer_faults.keep(present)
+        if len(self._memos) > len(present):
+            self._memos = {k: m for k, m in self._memos.items() if k in present}
         self._skipped = skipped_now
         for key in sorted(self._files.keys() - present.keys()):
             gone = self._files[key]
@@ -197,19 +200,25 @@ class Scanner:
         """A snapshot of `f` opened beneath the root; None when it is gone or refused (the
         reason is added to `skipped`)."""
         try:
-            fd = self.discovery.open(f)
+            opened = self.discovery.open(f)
         except FileNotFoundError:
             return None
         except OSError as exc:
             return empty_snapshot(f.path, 0, [Anomaly("unreadable", f"open: {exc.strerror}")])
-        if isinstance(fd, Skipped):
-            skipped.append(fd)
+        if isinstance(opened, Skipped):
+            skipped.append(opened)
             return None
+        key = (f.path, f.ino)
+        memo = self._memos.get(key)
+        if memo is None:
+            memo = self._memos[key] = ParseMemo()
+        fd = opened.fd
         try:
-            snap = snapshot_fd(fd, f.path)
-            return self.writer_faults.check((f.path, f.ino), fd, snap, time.monotonic())
+            snap = snapshot_fd(fd, f.path, memo=memo, st=opened.st)
+            return self.writer_faults.check(key, fd, snap, time.monotonic())
         finally:
-            os.close(fd)
+            if not opened.kept:
+                os.close(fd)
 
     def _clock_step(self, step: Step) -> Event:
         self.stats.clock_steps += 1

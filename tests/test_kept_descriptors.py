@@ -1,0 +1,156 @@
+"""Descriptors kept open across scans: bounded, and never used for a name that is no longer
+the file that was opened (the real Scanner over real files; folder mtimes are put back so the
+cached listing looks current and only the per-scan checks can notice)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from collector.events import (
+    ContainerAppeared,
+    ContainerGone,
+    Event,
+    LayoutAnomaly,
+    LimitsChanged,
+    UsageSample,
+)
+from collector.layout.declarations import V12
+from collector.node.discover import ListingLimits
+from collector.node.scan import Scanner
+from collector.simulate import CacheWriter, GiB, MiB, SimDevice
+
+POD = "0f4e8a52-7d3c-4b8e-9a51-3c2d1e0f9a88"
+GPU0 = "GPU-11111111-2222-4333-8444-555555555555"
+OLD = 1_600_000_000  # a folder mtime long past: the listing is served from the cache
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def write(path: Path, limit: int, pid: int = 7) -> CacheWriter:
+    w = CacheWriter(path, V12, [SimDevice(GPU0, limit)])
+    w.add_process(pid, 4000 + pid)
+    w.add_memory(pid, 0, "data", 64 * MiB)
+    return w
+
+
+def container(root: Path, name: str, limit: int = GiB) -> tuple[Path, CacheWriter]:
+    d = root / f"{POD}_{name}"
+    d.mkdir()
+    w = write(d / "a.cache", limit)
+    os.utime(d, (OLD, OLD))
+    return d / "a.cache", w
+
+
+def limits(events: list[Event]) -> list[int]:
+    return [d.limit_bytes for e in events if isinstance(e, LimitsChanged) for d in e.devices]
+
+
+def test_a_file_replaced_under_its_name_is_reopened(tmp_path: Path) -> None:
+    path, w = container(tmp_path, "main")
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    s.scan(now_ms=1000)
+    assert s.discovery.open_count == 2  # the folder and the file
+    first_ino = path.stat().st_ino
+    # A new file with another limit renamed over the old name (a new inode); the folder's
+    # mtime put back, so only the per-scan lstat of the kept file can see it.
+    new = path.with_name("new.tmp")
+    w2 = write(new, 2 * GiB)
+    os.replace(new, path)
+    os.utime(path.parent, (OLD, OLD))
+    assert path.stat().st_ino != first_ino
+    fds = open_fds()
+    events = s.scan(now_ms=2000)
+    assert limits(events) == [2 * GiB]  # read from the new file, not the kept old one
+    assert s.discovery.open_count == 2
+    assert open_fds() == fds  # the old descriptor was closed, the new one kept
+    w2.add_memory(7, 0, "data", 5 * MiB)
+    (sample,) = [e for e in s.scan(now_ms=3000) if isinstance(e, UsageSample)]
+    assert [r.data for r in sample.rows] == [69 * MiB]
+    w.close()
+    w2.close()
+
+
+def test_a_replaced_folder_is_reopened(tmp_path: Path) -> None:
+    path, w = container(tmp_path, "main")
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    s.scan(now_ms=1000)
+    w.close()
+    os.rename(path.parent, tmp_path / "old")
+    path.parent.mkdir()  # same name, a new folder (new inode) with a new file
+    w2 = write(path, 3 * GiB)
+    events = s.scan(now_ms=2000)
+    (appeared,) = [e for e in events if isinstance(e, ContainerAppeared)]
+    assert [d.limit_bytes for d in appeared.devices] == [3 * GiB]  # the new folder's file
+    assert ContainerGone in [type(e) for e in events]
+    assert s.discovery.open_count == 2
+    w2.close()
+
+
+def test_descriptors_are_bounded_and_every_file_is_still_read(tmp_path: Path) -> None:
+    files = [container(tmp_path, f"c{i}") for i in range(5)]
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1, listing=ListingLimits(open_files=5))
+    assert s.discovery.max_open == 5
+    s.scan(now_ms=1000)
+    fds = open_fds()
+    assert s.discovery.open_count <= 5
+    for scan in range(3):
+        for i, (_, w) in enumerate(files):
+            w.add_memory(7, 0, "data", (i + 1) * MiB)
+        events = s.scan(now_ms=2000 + scan * 1000)
+        samples = {e.cid: e.rows[0].data for e in events if isinstance(e, UsageSample)}
+        want = {i: 64 * MiB + (i + 1) * (scan + 1) * MiB for i in range(5)}
+        assert samples == want  # the kept and the reopened-each-scan files alike
+        assert s.discovery.open_count <= 5
+        assert open_fds() == fds  # nothing leaks past the bound
+    for _, w in files:
+        w.close()
+
+
+def test_no_descriptor_is_kept_with_a_bound_of_zero(tmp_path: Path) -> None:
+    path, w = container(tmp_path, "main")
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1, listing=ListingLimits(open_files=0))
+    fds = open_fds()
+    s.scan(now_ms=1000)
+    w.add_memory(7, 0, "data", MiB)
+    assert [type(e) for e in s.scan(now_ms=2000)] == [UsageSample]
+    assert s.discovery.open_count == 0 and open_fds() == fds + 1  # the root, between scans
+    w.close()
+
+
+def test_descriptors_of_deleted_files_and_folders_are_closed(tmp_path: Path) -> None:
+    (p1, w1), (p2, w2) = container(tmp_path, "a"), container(tmp_path, "b")
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    fds = open_fds()
+    s.scan(now_ms=1000)
+    assert s.discovery.open_count == 4 and open_fds() == fds + 1 + 4  # the root and 4 kept
+    w1.close()  # (the writer's mapping held a descriptor too)
+    p1.unlink()  # the folder's mtime changes: relisted without the file
+    fds = open_fds()
+    events = s.scan(now_ms=2000)
+    assert [type(e) for e in events] == [ContainerGone]
+    assert s.discovery.open_count == 3 and open_fds() == fds - 1
+    w2.close()
+    p2.unlink()
+    p2.parent.rmdir()
+    fds = open_fds()
+    s.scan(now_ms=3000)
+    assert s.discovery.open_count == 1 and open_fds() == fds - 2  # folder a stays, empty
+    s.discovery.close()
+    assert open_fds() == fds - 2 - 1 - 1  # and the root
+
+
+def test_a_kept_file_that_gains_a_hard_link_or_becomes_a_symlink_is_refused(
+    tmp_path: Path,
+) -> None:
+    path, w = container(tmp_path, "main")
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    s.scan(now_ms=1000)
+    os.link(path, tmp_path / "elsewhere")
+    events = s.scan(now_ms=2000)
+    refused = [(e.path, e.detail) for e in events if isinstance(e, LayoutAnomaly)]
+    assert refused == [(str(path), "a hard-linked file (2 links): not read")]
+    assert s.discovery.open_count == 1  # the folder only
+    w.close()
