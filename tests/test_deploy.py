@@ -813,9 +813,8 @@ def test_prometheus_name_follows_the_translator() -> None:
 EXPORTED = {prometheus_name(c.name, c.unit, counter=True) for c in otlp.COUNTERS} | {
     prometheus_name(g.name, g.unit, counter=False) for g in otlp.GAUGES
 }
-LABELS = {
-    re.sub(r"[^a-zA-Z0-9_]", "_", getattr(otlp, a)) for a in otlp.__all__ if a.startswith("ATTR_")
-}
+# Every attribute a point can carry (the workload's by kind included), as a Prometheus label.
+LABELS = {re.sub(r"[^a-zA-Z0-9_]", "_", a) for a in otlp.COUNTER_ATTRIBUTES}
 
 
 def dashboard() -> dict[str, Any]:
@@ -845,6 +844,26 @@ def test_grafana_dashboard_queries_exported_metrics() -> None:
     assert used == EXPORTED, f"metrics without a panel: {sorted(EXPORTED - used)}"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_grafana_shows_reserved_idle_against_used_per_workload() -> None:
+    workload = {re.sub(r"\W", "_", a) for a in otlp.ATTR_WORKLOAD.values()}
+    panels = [
+        p
+        for p in dashboard()["panels"]
+        if any("reserved_idle" in t["expr"] for t in p["targets"])
+    ]
+    assert {p["type"] for p in panels} == {"table", "timeseries"}  # the range, and over time
+    for panel in panels:
+        refs = set().union(*(_metric_refs(t["expr"]) for t in panel["targets"]))
+        assert {
+            "hami_gpu_reserved_idle_time_seconds_total",
+            "hami_gpu_used_time_seconds_total",
+        } <= refs, panel["title"]
+        for target in panel["targets"]:
+            (by,) = re.findall(r"sum by \(([^)]*)\)", target["expr"])[:1]
+            # grouped by namespace and every workload kind's label, nothing finer
+            assert {x.strip() for x in by.split(",")} == workload | {"k8s_namespace_name"}
 
 
 def test_grafana_dashboard_variables() -> None:

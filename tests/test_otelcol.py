@@ -172,6 +172,9 @@ def record(container: str, namespace: str = "", pod: str = "") -> BillingRecord:
         observed_seconds=59.5,
         samples=60,
         record_id=f"{container}/1",
+        allocated_gpu_seconds=30.0,
+        used_gpu_seconds=12.25,
+        reserved_idle_gpu_seconds=20.0,
     )
 
 
@@ -244,6 +247,9 @@ def test_aggregator_otlp_through_the_collector(
     assert got.get(("hami_gpu_memory_usage_byte_seconds_total", counter)) == 1.5e9, body
     assert got[("hami_gpu_sm_usage_time_seconds_total", counter)] == pytest.approx(12.345)
     assert got[("hami_gpu_observed_time_seconds_total", counter)] == 59.5
+    assert got[("hami_gpu_allocated_time_seconds_total", counter)] == 30.0
+    assert got[("hami_gpu_used_time_seconds_total", counter)] == 12.25
+    assert got[("hami_gpu_reserved_idle_time_seconds_total", counter)] == 20.0
     gauge = frozenset(labels.items())
     assert got[("hami_gpu_memory_usage_bytes", gauge)] == 3 << 30
     assert got[("hami_gpu_sm_utilization_ratio", gauge)] == pytest.approx(0.73)

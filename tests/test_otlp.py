@@ -51,6 +51,9 @@ def make_record(window: int, container: str, scale: float, **overrides: Any) -> 
         "sm_limit_percent_seconds": 3000.0 * scale,
         "peak_memory_bytes": 2_000_000_000,
         "observed_seconds": 59.5 * scale,
+        "allocated_gpu_seconds": 30.0 * scale,
+        "used_gpu_seconds": 12.25 * scale,
+        "reserved_idle_gpu_seconds": 20.0 * scale,
         "samples": 60,
         "record_id": f"{pod_uid}/{container}/{GPU}/{window}",
     }

@@ -110,6 +110,7 @@ def test_csv_header_is_exact() -> None:
         "allocated_gpu_seconds",
         "used_gpu_seconds",
         "overcommitted",
+        "reserved_idle_gpu_seconds",
     ]
 
 
@@ -124,6 +125,7 @@ def test_csv_row_values() -> None:
         gpu_memory_bytes=85_520_809_984,
         allocated_gpu_seconds=15.0,
         used_gpu_seconds=4.125,
+        reserved_idle_gpu_seconds=2.5,
     )
     assert csv_row(r) == [
         "2026-11-29T22:37:00Z",
@@ -153,6 +155,7 @@ def test_csv_row_values() -> None:
         "15.000",
         "4.125",
         "false",
+        "2.500",
     ]
 
 
@@ -203,6 +206,21 @@ def test_csv_sink_writes_header_once(tmp_path: Path) -> None:
     rows = read_csv(path)
     assert rows[0] == list(CSV_FIELDS)
     assert [r[3] for r in rows[1:]] == ["uid-1", "uid-2"]
+
+
+def test_csv_sink_keeps_the_columns_of_a_file_begun_by_version_1(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "billing.csv"
+    old = CSV_FIELDS[: CSV_FIELDS.index("reserved_idle_gpu_seconds")]
+    path.write_text(",".join(old) + "\n")
+    with CsvSink(path) as sink:
+        assert sink.columns == len(old)
+        sink.write([record(reserved_idle_gpu_seconds=1.0)])
+    assert "reserved_idle_gpu_seconds not written" in caplog.text
+    rows = read_csv(path)
+    assert rows[0] == list(old)
+    assert rows[1] == csv_row(record())[: len(old)]  # one valid table, the old columns
 
 
 def test_csv_sink_resume_truncates_exactly(tmp_path: Path) -> None:

@@ -12,6 +12,9 @@ from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +22,7 @@ from streams import T0_MS, hami, msg, write_local_log
 from test_fair_share import run, schedules
 
 from collector.aggregate.columns import to_table
+from collector.aggregate.records import CSV_FIELDS, SINCE_VERSION
 from collector.events import Event, Identity, PodIdentity
 from collector.node.scan import Scanner
 from collector.report.bill import make_bill, money
@@ -27,6 +31,7 @@ from collector.report.summary import HOUR_MS, Summary
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice
 
 HOUR_S = 3600
+BUSY_S = 1200
 # 25 % of the cores and a quarter of an 80 GiB GPU's memory
 QUARTER = (20 * GiB, 25)
 PRICES = """
@@ -47,7 +52,8 @@ def pod(c: int) -> str:
 
 def case_3073_stream(root: Path) -> list[Event]:
     """Four containers at 25 % on GPU 0, one whole-GPU container on GPU 1, two at 25 % on
-    GPU 2, for one hour of event time, scanned every 10 s; the files go at the hour."""
+    GPU 2, for one hour of event time, scanned every 10 s; the files go at the hour. Container
+    0 is busy (25 % SM) for its first `BUSY_S` seconds, every other one never."""
     layout = [(0, *QUARTER)] * 4 + [(1, 80 * GiB, 0)] + [(2, *QUARTER)] * 2
     writers = []
     for c, (d, limit, sm) in enumerate(layout):
@@ -62,6 +68,8 @@ def case_3073_stream(root: Path) -> list[Event]:
     scanner = Scanner(root, heartbeat_s=30, inc=77)
     events: list[Event] = []
     for s in range(0, HOUR_S, 10):
+        if s in (0, BUSY_S):  # container 0 runs kernels at its 25 % for its first 20 minutes
+            writers[0].watch({40_000: {0: (0, 25 if s == 0 else 0)}})
         events += scanner.scan(T0_MS + s * 1000)
         if s % 30 == 0:  # what the pod watch would say (seqs of their own, never the scanner's)
             # the scanner's own numbering, as its identity stage would send them
@@ -138,6 +146,15 @@ def test_hami_3073_through_the_whole_pipeline(pipeline: Path) -> None:
         assert rows[("group", f"{WHO[c][1]}-{c}")]["cost"] == "0.50"
     assert rows[("group", "serve-4")]["gpu_hours_allocated"] == "1.000000"
     assert rows[("group", "serve-4")]["cost"] == "2.00"
+    # reserved but idle: container 0 idles 40 of its 60 minutes at 25 %, the others all hour
+    assert rows[("group", "train-0")]["gpu_hours_used"] == "0.083333"  # 25 % x 20 min
+    assert rows[("group", "train-0")]["gpu_hours_reserved_idle"] == "0.166667"  # 25 % x 40 min
+    for c in (1, 2, 3, 5, 6):
+        row = rows[("group", f"{WHO[c][1]}-{c}")]
+        assert row["gpu_hours_reserved_idle"] == row["gpu_hours_allocated"] == "0.250000"
+    assert rows[("group", "serve-4")]["gpu_hours_reserved_idle"] == "1.000000"
+    assert rows[("idle", "")]["gpu_hours_reserved_idle"] == ""
+    assert rows[("total", "")]["gpu_hours_reserved_idle"] == "2.416667"
     for c in (5, 6):
         assert rows[("group", f"{WHO[c][1]}-{c}")]["gpu_hours_allocated"] == "0.250000"
     # idle: 0 on GPU 0 and 1, 0.5 on GPU 2, all of the (unknown) model ""
@@ -171,6 +188,50 @@ def test_hami_3073_through_the_whole_pipeline(pipeline: Path) -> None:
     assert per_gpu[gpu(2)] == {"alloc": HOUR_S / 2, "idle": HOUR_S / 2, "obs": HOUR_S}
 
 
+def test_records_before_reserved_idle_are_not_counted_as_idle(pipeline: Path) -> None:
+    """Version 1 records (a CSV without the column, JSON with `version` 1) did not measure
+    reserved-idle: the report counts none for them and says for how many GPU-hours."""
+    old_fields = [f for f in CSV_FIELDS if f not in SINCE_VERSION]
+    with (pipeline / "b.csv").open() as f, (pipeline / "v1.csv").open("w") as out:
+        w = csv.DictWriter(out, old_fields, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        w.writerows(csv.DictReader(f))
+    with (pipeline / "b.jsonl").open("rb") as f, (pipeline / "v1.jsonl").open("wb") as out:
+        for line in f:
+            obj = msgspec.json.decode(line)
+            del obj["reserved_idle_gpu_seconds"]
+            out.write(msgspec.json.encode({**obj, "version": 1}) + b"\n")
+    # a Parquet part written before the column existed: it reads as null, its version says 1
+    for part in (pipeline / "pq").glob("day=*/part-*.parquet"):
+        old = pq.read_table(part).drop_columns(["reserved_idle_gpu_seconds"])
+        old = old.set_column(old.schema.get_field_index("version"), "version", pa.array(
+            [1] * old.num_rows, pa.int64()
+        ))  # fmt: skip
+        (pipeline / "pq1" / part.parent.name).mkdir(parents=True, exist_ok=True)
+        pq.write_table(old, pipeline / "pq1" / part.parent.name / part.name)
+    page = pipeline / "v1.html"
+    texts = []
+    sources = (
+        ["--csv", pipeline / "v1.csv"],
+        ["--jsonl", pipeline / "v1.jsonl"],
+        ["--parquet", pipeline / "pq1"],
+    )
+    for src in sources:
+        stdout, text = report(pipeline, *src, "--by", "pod", "--html", page)
+        assert "reserved-idle not measured for 2.500000 GPU-h" in stdout, stdout
+        assert "Not measured for 2.500000 GPU-h" in page.read_text()
+        texts.append(text)
+    assert texts[0] == texts[1] == texts[2]
+    rows = report_rows(texts[0])
+    assert {r["gpu_hours_reserved_idle"] for r in rows.values() if r["kind"] == "group"} == {
+        "0.000000"
+    }
+    assert rows[("total", "")]["gpu_hours_allocated"] == "3.000000"  # the bill is unchanged
+    # with the version 2 records the note is gone
+    stdout, _ = report(pipeline, "--csv", pipeline / "b.csv")
+    assert "not measured" not in stdout
+
+
 def test_grouped_by_namespace_workload_label_and_several(pipeline: Path) -> None:
     pq = ["--parquet", pipeline / "pq"]
     text = report(pipeline, *pq, "--by", "namespace")[1]
@@ -199,7 +260,7 @@ def test_grouped_by_namespace_workload_label_and_several(pipeline: Path) -> None
     rows = list(csv.DictReader(io.StringIO(text)))
     assert list(rows[0]) == [
         "kind", "label_team", "namespace", "gpu_model", "gpu_hours_allocated", "gpu_hours_used",
-        "efficiency", "memory_gib_hours", "cost", "currency",
+        "gpu_hours_reserved_idle", "efficiency", "memory_gib_hours", "cost", "currency",
     ]  # fmt: skip
     got = {(r["label_team"], r["namespace"]): r["cost"] for r in rows if r["kind"] == "group"}
     assert got == {
@@ -238,11 +299,15 @@ def test_html_report_opens_in_headless_chromium(pipeline: Path) -> None:
     shot = pipeline / "report.png"
     dom, console = chromium(page, shot)
     assert not console, console
-    for chart in ("chart-over-time", "chart-allocated-used", "chart-idle"):
+    charts = ("chart-over-time", "chart-allocated-used", "chart-reserved-idle", "chart-idle")
+    for chart in charts:
         start = dom.index(f'<figure id="{chart}">')
         assert "<svg" in dom[start : dom.index("</figure>", start)], chart
     assert '<table class="bill">' in dom and '<table class="reconciliation">' in dom
     assert ">team-a<" in dom and ">yes<" in dom  # a group and a balanced model row
+    start = dom.index('<figure id="chart-reserved-idle">')
+    chart = dom[start : dom.index("</figure>", start)]
+    assert "reserved but idle" in chart and "rest of allocated" in chart and ">used<" in chart
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,6 +1,6 @@
 """The billing topic's wire format: one record per message, for any consumer.
 
-Value: the record as a JSON object (`BillingRecord`, every field, `version` 1), or msgpack with
+Value: the record as a JSON object (`BillingRecord`, every field of its `version`), or msgpack with
 the same field names when `billing_format = "msgpack"`. Key: `record_id`, so the compacted topic
 keeps one message per record however often it is published again. Headers say what the value is:
 `content-type` and `schema`. `schemas/billing.schema.json` is generated from the record type.
@@ -12,7 +12,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from .records import BillingRecord, to_json, to_msgpack
+from .records import RECORD_VERSION, SINCE_VERSION, BillingRecord, to_json, to_msgpack
 
 SCHEMA_NAME: Final = "hami.billing.v1"
 Format = Literal["json", "msgpack"]
@@ -44,10 +44,19 @@ def json_schema() -> dict[str, Any]:
     """The published JSON Schema of a billing message value (schemas/billing.schema.json)."""
     schema: dict[str, Any] = msgspec.json.schema(BillingRecord)
     record = schema["$defs"]["BillingRecord"]
-    # Every field is always sent (defaults included), so a consumer may rely on each of them.
-    record["required"] = list(BillingRecord.__struct_fields__)
+    # Every field of a record's version is always sent (defaults included), so a consumer may
+    # rely on each of them; a field added by a later version is required from that version on
+    # (the topic keeps the records of every version written to it).
+    record["required"] = [f for f in BillingRecord.__struct_fields__ if f not in SINCE_VERSION]
     record["additionalProperties"] = False
-    record["properties"]["version"]["const"] = 1
+    record["properties"]["version"] = {"type": "integer", "minimum": 1, "maximum": RECORD_VERSION}
+    record["allOf"] = [
+        {
+            "if": {"properties": {"version": {"minimum": v}}},
+            "then": {"required": sorted(f for f, since in SINCE_VERSION.items() if since == v)},
+        }
+        for v in sorted(set(SINCE_VERSION.values()))
+    ]
     for name, prop in record["properties"].items():
         if prop.get("format") == "decimal":
             # Sent as a JSON number with three decimals: the exact integral n/1000 (records.py).

@@ -188,6 +188,29 @@ COUNTERS: Final[tuple[Instrument, ...]] = (
         1.0,
         "time the container was observed on the GPU",
     ),
+    Instrument(
+        "hami.gpu.allocated_time",
+        "s",
+        "allocated_gpu_seconds",
+        1.0,
+        "GPU time allocated to the container (the aggregator's allocation policy): 1 s = one"
+        " whole GPU for one second",
+    ),
+    Instrument(
+        "hami.gpu.used_time",
+        "s",
+        "used_gpu_seconds",
+        1.0,
+        "GPU time the container used: the larger of its SM time and its memory share",
+    ),
+    Instrument(
+        "hami.gpu.reserved_idle_time",
+        "s",
+        "reserved_idle_gpu_seconds",
+        1.0,
+        "the part of the allocated GPU time during which the container had no SM activity on"
+        " the GPU (reserved but idle)",
+    ),
 )
 
 GAUGES: Final[tuple[Instrument, ...]] = (

@@ -24,6 +24,8 @@ __all__ = [
     "CSV_FIELDS",
     "KINDS",
     "RECORD_MAX",
+    "RECORD_VERSION",
+    "SINCE_VERSION",
     "BillingRecord",
     "Gauge",
     "csv_header",
@@ -43,6 +45,11 @@ __all__ = [
 # The largest number a record carries (in milli-units for the integrals): what a signed 64-bit
 # integer holds, so any consumer can parse every field exactly.
 RECORD_MAX: Final = (1 << 63) - 1
+
+# The record version written now, and the fields added after version 1 with the version that
+# added them: a record of an older version does not carry them (they decode as their default).
+RECORD_VERSION: Final = 2
+SINCE_VERSION: Final[dict[str, int]] = {"reserved_idle_gpu_seconds": 2}
 
 
 def seconds(milli: int) -> Decimal:
@@ -94,8 +101,13 @@ class BillingRecord(msgspec.Struct, frozen=True):
     allocated_gpu_seconds: Decimal = Decimal("0.000")
     used_gpu_seconds: Decimal = Decimal("0.000")
     overcommitted: bool = False  # the GPU's shares were scaled down to its observed time
-    # The record's schema version (1 = hami.billing.v1, schemas/billing.schema.json).
-    version: int = 1
+    # The record's schema version (schemas/billing.schema.json; the topic stays
+    # hami.billing.v1): 1, or 2 from `reserved_idle_gpu_seconds` on (`SINCE_VERSION`). A
+    # version 1 record decodes with that field 0 but did not measure it.
+    version: int = 2
+    # Version 2: the part of allocated_gpu_seconds accrued while the container's SM
+    # utilisation on the device was 0 (`windows.allocate`); on a `gpu` row the sum, `idle` 0.
+    reserved_idle_gpu_seconds: Decimal = Decimal("0.000")
 
 
 class Gauge(msgspec.Struct, frozen=True):
@@ -175,6 +187,7 @@ def in_bounds(record: BillingRecord) -> bool:
         r.observed_seconds,
         r.allocated_gpu_seconds,
         r.used_gpu_seconds,
+        r.reserved_idle_gpu_seconds,
     )
     return all(0 <= x <= RECORD_MAX for x in ints) and all(
         0 <= x * 1000 <= RECORD_MAX for x in decimals
@@ -222,6 +235,7 @@ CSV_FIELDS: Final[tuple[str, ...]] = (
     "allocated_gpu_seconds",
     "used_gpu_seconds",
     "overcommitted",
+    "reserved_idle_gpu_seconds",  # version 2: appended, so older files keep their columns
 )
 
 
@@ -265,6 +279,7 @@ def csv_row(record: BillingRecord) -> list[str]:
         decimal_text(r.allocated_gpu_seconds),
         decimal_text(r.used_gpu_seconds),
         "true" if r.overcommitted else "false",
+        decimal_text(r.reserved_idle_gpu_seconds),
     ]
 
 

@@ -102,13 +102,31 @@ def _csv_bytes(rows: list[list[str]]) -> bytes:
 
 
 class CsvSink(FileSink):
-    """CSV with a header row (`records.CSV_FIELDS`), `\\n` line ends, UTF-8."""
+    """CSV with a header row (`records.CSV_FIELDS`), `\\n` line ends, UTF-8.
+
+    A file begun by an earlier record version has fewer columns (later versions only append
+    columns): rows appended to it keep its columns, so the file stays one valid table, and the
+    columns it lacks are named once in a warning (a new file gets them)."""
+
+    def __init__(self, path: str | Path, *, resume_at: int | None = None) -> None:
+        super().__init__(path, resume_at=resume_at)
+        self.columns = len(CSV_FIELDS)
+        head = os.pread(self._file.fileno(), 1 << 16, 0).split(b"\n", 1)[0].decode(errors="replace")
+        names = head.split(",")
+        if len(names) < len(CSV_FIELDS) and names == list(CSV_FIELDS[: len(names)]):
+            self.columns = len(names)
+            log.warning(
+                "%s has the columns of an earlier record version: %s not written to it",
+                self.path,
+                ", ".join(CSV_FIELDS[self.columns :]),
+            )
 
     def _header(self) -> bytes:
         return _csv_bytes([list(CSV_FIELDS)])
 
     def _encode(self, records: list[BillingRecord]) -> bytes:
-        return _csv_bytes([csv_row(r) for r in records])
+        n = self.columns
+        return _csv_bytes([csv_row(r)[:n] for r in records])
 
 
 class JsonlSink(FileSink):

@@ -46,6 +46,8 @@ class Line:
     memory_byte_seconds: float
     list_cost: Fraction  # at the list price
     cost: Fraction  # after the adjustments
+    reserved_idle_ms: int = 0  # allocated while its containers had no SM activity
+    unmeasured_ms: int = 0  # allocated in records older than reserved-idle (not in the above)
 
     @property
     def efficiency(self) -> Decimal | None:
@@ -94,6 +96,11 @@ class Bill:
         return sum((x.cost - x.list_cost for x in self.lines), Fraction(0))
 
     @property
+    def unmeasured_ms(self) -> int:
+        """Allocated ms whose reserved-idle part the records did not measure (version 1)."""
+        return sum(x.unmeasured_ms for x in self.groups)
+
+    @property
     def residue(self) -> Decimal:
         """Rounded total minus the sum of the rounded lines."""
         return money(self.total) - sum((money(x.cost) for x in self.lines), Decimal(0))
@@ -102,7 +109,7 @@ class Bill:
 def make_bill(summary: Summary, prices: Prices) -> Bill:
     n = len(summary.by)
     groups: dict[tuple[str, ...], Line] = {}
-    for k, (alloc, used, mem) in summary.groups.items():
+    for k, (alloc, used, mem, ridle, unmeasured) in summary.groups.items():
         dims, model, ns, labels = k[:n], k[n], k[n + 1], k[n + 2 :]
         price = Fraction(prices.price(model))
         factor = Fraction(prices.factor(ns, dict(zip(summary.label_keys, labels, strict=True))))
@@ -113,6 +120,8 @@ def make_bill(summary: Summary, prices: Prices) -> Bill:
         line.allocated_ms += int(alloc)
         line.used_ms += int(used)
         line.memory_byte_seconds += mem
+        line.reserved_idle_ms += int(ridle)
+        line.unmeasured_ms += int(unmeasured)
         line.list_cost += list_cost
         line.cost += list_cost * factor
     idle = []
@@ -129,8 +138,8 @@ def make_bill(summary: Summary, prices: Prices) -> Bill:
 def csv_header(bill: Bill) -> list[str]:
     dims = [d.replace("-", "_").replace(":", "_") for d in bill.by]
     return [
-        "kind", *dims, "gpu_model", "gpu_hours_allocated", "gpu_hours_used", "efficiency",
-        "memory_gib_hours", "cost", "currency",
+        "kind", *dims, "gpu_model", "gpu_hours_allocated", "gpu_hours_used",
+        "gpu_hours_reserved_idle", "efficiency", "memory_gib_hours", "cost", "currency",
     ]  # fmt: skip
 
 
@@ -145,15 +154,19 @@ def to_csv(bill: Bill) -> str:
         eff = x.efficiency
         w.writerow([
             "group", *x.key, "", hours(x.allocated_ms), hours(x.used_ms),
-            "" if eff is None else eff, f"{x.memory_byte_seconds / GIB / 3600:.3f}",
-            money(x.cost), cur,
+            hours(x.reserved_idle_ms), "" if eff is None else eff,
+            f"{x.memory_byte_seconds / GIB / 3600:.3f}", money(x.cost), cur,
         ])  # fmt: skip
     for x in bill.idle:
         w.writerow(
-            ["idle", *blank, x.key[0], hours(x.allocated_ms), "", "", "", money(x.cost), cur]
+            ["idle", *blank, x.key[0], hours(x.allocated_ms), "", "", "", "", money(x.cost), cur]
         )
-    w.writerow(["rounding_residue", *blank, "", "", "", "", "", bill.residue, cur])
+    w.writerow(["rounding_residue", *blank, "", "", "", "", "", "", bill.residue, cur])
     alloc = sum(x.allocated_ms for x in bill.lines)
     used = sum(x.used_ms for x in bill.groups)
-    w.writerow(["total", *blank, "", hours(alloc), hours(used), "", "", money(bill.total), cur])
+    ridle = sum(x.reserved_idle_ms for x in bill.groups)
+    w.writerow([
+        "total", *blank, "", hours(alloc), hours(used), hours(ridle), "", "", money(bill.total),
+        cur,
+    ])  # fmt: skip
     return buf.getvalue()

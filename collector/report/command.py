@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from ..transport.consumer import ConsumerSettings
 
-__all__ = ["ReportArgs", "bucket_for", "make_report", "table_text"]
+__all__ = ["ReportArgs", "bucket_for", "make_report", "table_text", "unmeasured_note"]
 
 
 @dataclass
@@ -85,11 +85,18 @@ def make_report(args: ReportArgs) -> tuple[Bill, Summary]:
 def table_text(bill: Bill) -> str:
     """The bill as a text table for the terminal."""
     cur = bill.currency
-    head = [", ".join(bill.by), "GPU-h alloc", "GPU-h used", "eff", f"cost {cur}"]
+    head = [
+        ", ".join(bill.by),
+        "GPU-h alloc",
+        "GPU-h used",
+        "GPU-h reserved idle",
+        "eff",
+        f"cost {cur}",
+    ]
     rows = [
         [" / ".join(k or "(unnamed)" for k in x.key), str(hours(x.allocated_ms)),
-         str(hours(x.used_ms)), "" if x.efficiency is None else str(x.efficiency),
-         str(money(x.cost))]
+         str(hours(x.used_ms)), str(hours(x.reserved_idle_ms)),
+         "" if x.efficiency is None else str(x.efficiency), str(money(x.cost))]
         for x in bill.groups
     ]  # fmt: skip
     rows += [
@@ -98,12 +105,13 @@ def table_text(bill: Bill) -> str:
             str(hours(x.allocated_ms)),
             "",
             "",
+            "",
             str(money(x.cost)),
         ]
         for x in bill.idle
     ]
-    rows.append(["rounding residue", "", "", "", str(bill.residue)])
-    rows.append(["total", "", "", "", str(money(bill.total))])
+    rows.append(["rounding residue", "", "", "", "", str(bill.residue)])
+    rows.append(["total", "", "", "", "", str(money(bill.total))])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     out = []
     for r in [head, *rows]:
@@ -111,4 +119,14 @@ def table_text(bill: Bill) -> str:
             c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
         ]
         out.append("  ".join(cells).rstrip())
+    out.append("reserved idle: allocated while the containers had no SM activity on the GPU")
+    if bill.unmeasured_ms:
+        out.append(unmeasured_note(bill))
     return "\n".join(out) + "\n"
+
+
+def unmeasured_note(bill: Bill) -> str:
+    return (
+        f"reserved-idle not measured for {hours(bill.unmeasured_ms)} GPU-h allocated in records "
+        "written before it (record version 1): not counted as idle"
+    )

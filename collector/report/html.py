@@ -1,8 +1,9 @@
 """The report as one self-contained HTML page: matplotlib charts inlined as SVG, tables, a
 stylesheet in the page; no script, no network, readable in any browser or mail client.
 
-Charts: GPU-hours per group over time (stacked), allocated against used per group, idle share
-per GPU, and the reconciliation table (per GPU model: observed = allocated + idle, its cost)."""
+Charts: GPU-hours per group over time (stacked), allocated against used per group, each
+group's allocation as used / reserved but idle / the rest, idle share per GPU, and the
+reconciliation table (per GPU model: observed = allocated + idle, its cost)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,36 @@ def _allocated_vs_used(bill: Bill) -> str:
     return _svg(fig)
 
 
+def _reserved_idle(bill: Bill) -> str:
+    """Per group, its allocation split three ways: used, reserved but idle, and the rest.
+    Used is drawn up to the allocation's active part (allocated - reserved idle); what it
+    uses beyond that (a memory share while SMs idle, SM time beyond a limit) is marked."""
+    plt = _pyplot()
+    lines = bill.groups[:15]
+    labels = [_name(" / ".join(x.key)) for x in lines][::-1]
+    h = 3_600_000
+    idle = [x.reserved_idle_ms / h for x in lines][::-1]
+    active = [(x.allocated_ms - x.reserved_idle_ms) / h for x in lines][::-1]
+    used = [x.used_ms / h for x in lines][::-1]
+    inside = [min(u, a) for u, a in zip(used, active, strict=True)]
+    rest = [a - u for a, u in zip(active, inside, strict=True)]
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(lines) + 1.4))
+    ys = list(range(len(lines)))
+    ax.barh(ys, inside, height=0.6, color="#2a7", label="used")
+    ax.barh(ys, idle, height=0.6, left=inside, color="#d62", label="reserved but idle")
+    left = [a + b for a, b in zip(inside, idle, strict=True)]
+    ax.barh(ys, rest, height=0.6, left=left, color="#bbb", label="rest of allocated")
+    beyond = [(y, u) for y, u, a in zip(ys, used, active, strict=True) if u > a]
+    if beyond:
+        ax.scatter([u for _, u in beyond], [y for y, _ in beyond], marker="|", s=200,
+                   color="#064", label="used (beyond the active allocation)", zorder=3)  # fmt: skip
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.set_xlabel("GPU-hours allocated")
+    ax.set_title("Used, reserved but idle (no SM activity) and the rest of the allocation")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _svg(fig)
+
+
 def _idle_share(summary: Summary) -> str:
     plt = _pyplot()
     shares = sorted(
@@ -136,17 +167,23 @@ figure{margin:1.5em 0}svg{max-width:100%;height:auto}
 
 def render(bill: Bill, summary: Summary, title: str) -> str:
     cur = bill.currency
+    unmeasured = ""
+    if bill.unmeasured_ms:
+        unmeasured = (
+            f" Not measured for {hours(bill.unmeasured_ms)} GPU-h allocated in records written "
+            "before it (record version 1): not counted as idle."
+        )
     groups = [
         [_name(" / ".join(x.key)), hours(x.allocated_ms), hours(x.used_ms),
-         "" if x.efficiency is None else x.efficiency, money(x.cost)]
+         hours(x.reserved_idle_ms), "" if x.efficiency is None else x.efficiency, money(x.cost)]
         for x in bill.groups
     ]  # fmt: skip
     groups += [
-        [f"idle: {_name(x.key[0])}", hours(x.allocated_ms), "", "", money(x.cost)]
+        [f"idle: {_name(x.key[0])}", hours(x.allocated_ms), "", "", "", money(x.cost)]
         for x in bill.idle
     ]
-    groups.append(["rounding residue", "", "", "", bill.residue])
-    groups.append(["total", "", "", "", money(bill.total)])
+    groups.append(["rounding residue", "", "", "", "", bill.residue])
+    groups.append(["total", "", "", "", "", money(bill.total)])
     recon = [
         [_name(m.model), hours(m.observed_ms), hours(m.allocated_ms), hours(m.idle_ms),
          "yes" if m.balanced else "NO", money(m.price), money(m.observed_cost)]
@@ -156,6 +193,7 @@ def render(bill: Bill, summary: Summary, title: str) -> str:
         "group (" + ", ".join(bill.by) + ")",
         "GPU-h allocated",
         "GPU-h used",
+        "GPU-h reserved idle",
         "efficiency",
         f"cost ({cur})",
     ]
@@ -186,6 +224,10 @@ def render(bill: Bill, summary: Summary, title: str) -> str:
         ),  # fmt: skip
         f'<figure id="chart-over-time">{_over_time(summary)}</figure>',
         f'<figure id="chart-allocated-used">{_allocated_vs_used(bill)}</figure>',
+        "<h2>Reserved but idle</h2><p>GPU time allocated to a group while its containers had "
+        "no SM activity on the GPU (no process, or every process at 0 %): it holds a GPU and "
+        f"does nothing.{unmeasured}</p>",
+        f'<figure id="chart-reserved-idle">{_reserved_idle(bill)}</figure>',
         f'<figure id="chart-idle">{_idle_share(summary)}</figure>',
         "</body></html>",
     ]

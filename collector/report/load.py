@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..aggregate.columns import to_table
-from ..aggregate.records import CSV_FIELDS, BillingRecord
+from ..aggregate.records import CSV_FIELDS, SINCE_VERSION, BillingRecord
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -39,7 +39,10 @@ _FLOAT = {n for n, t in _HINTS.items() if t is float}
 
 
 def _csv_record(row: dict[str, str]) -> BillingRecord:
-    obj: dict[str, Any] = {}
+    # CSV has no version column: a file without a later version's column holds records of the
+    # version before it (its columns are only ever appended).
+    missing = [v for f, v in SINCE_VERSION.items() if f not in row]
+    obj: dict[str, Any] = {"version": min(missing) - 1} if missing else {}
     for name, text in row.items():
         if name == "window_start":
             obj["window_start_ms"] = iso_ms(text)

@@ -11,12 +11,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
+from ..aggregate.records import SINCE_VERSION
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = ["DIMENSIONS", "Summary", "columns_for", "parse_by"]
 
 DIMENSIONS: Final = ("namespace", "workload", "pod", "node", "gpu-model")
+RESERVED_IDLE_SINCE: Final = SINCE_VERSION["reserved_idle_gpu_seconds"]
 HOUR_MS: Final = 3_600_000
 
 
@@ -38,6 +41,7 @@ def columns_for(by: list[str]) -> list[str]:
     cols = {
         "window_start_ms", "kind", "gpu_model", "node", "device_uuid", "namespace", "labels",
         "memory_byte_seconds", "observed_seconds", "allocated_gpu_seconds", "used_gpu_seconds",
+        "reserved_idle_gpu_seconds", "version",
     }  # fmt: skip
     for d in by:
         if d == "workload":
@@ -52,7 +56,8 @@ class Summary:
     by: list[str]
     bucket_ms: int
     label_keys: list[str]  # labels the prices adjust by
-    # (group..., gpu_model, namespace, label values...) -> [allocated ms, used ms, mem B.s]
+    # (group..., gpu_model, namespace, label values...) -> [allocated ms, used ms, mem B.s,
+    # reserved-idle ms, allocated ms of records older than reserved-idle (not measured there)]
     groups: dict[tuple[str, ...], list[float]] = field(default_factory=dict)
     # (bucket, first-dimension group) -> allocated ms
     series: dict[tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
@@ -76,6 +81,13 @@ class Summary:
         t = t.append_column("used", ms("used_gpu_seconds"))
         t = t.append_column("obs", ms("observed_seconds"))
         t = t.append_column("mem", table["memory_byte_seconds"])
+        # Records before version 2 did not measure reserved-idle (Parquet reads it as null):
+        # their allocation is counted apart, never as 0 idle.
+        old = pc.less(pc.fill_null(table["version"], 1), RESERVED_IDLE_SINCE)
+        t = t.append_column(
+            "ridle", pc.if_else(old, 0, pc.fill_null(ms("reserved_idle_gpu_seconds"), 0))
+        )
+        t = t.append_column("unmeasured", pc.if_else(old, t["alloc"], 0))
         t = t.append_column("ns", table["namespace"])
         keys = []
         labels: dict[str, pa.ChunkedArray] = {}
@@ -94,14 +106,17 @@ class Summary:
         ctr = t.filter(pc.equal(t["kind"], "container"))
         price_keys = [*keys, "gpu_model", "ns", *lkeys]
         agg = ctr.group_by(price_keys).aggregate(
-            [("alloc", "sum"), ("used", "sum"), ("mem", "sum")]
-        )
+            [("alloc", "sum"), ("used", "sum"), ("mem", "sum"), ("ridle", "sum"),
+             ("unmeasured", "sum")]
+        )  # fmt: skip
         for row in agg.to_pylist():
             k = tuple(row[c] for c in price_keys)
-            acc = self.groups.setdefault(k, [0, 0, 0.0])
+            acc = self.groups.setdefault(k, [0, 0, 0.0, 0, 0])
             acc[0] += row["alloc_sum"]
             acc[1] += row["used_sum"]
             acc[2] += row["mem_sum"]
+            acc[3] += row["ridle_sum"]
+            acc[4] += row["unmeasured_sum"]
         # integer division: window starts are positive
         bucket = pc.divide(ctr["window_start_ms"], self.bucket_ms)
         s = pa.table({"b": pc.cast(bucket, pa.int64()), "g": ctr["g0"], "a": ctr["alloc"]})

@@ -15,6 +15,12 @@ present, integrated over the window:
 percent-seconds / 100) and its memory share (memory byte-seconds / device memory, only with
 inventory) over the window.
 
+**Reserved but idle**, per container: the part of its allocated time accrued while its
+measured SM utilisation on the device was 0 (no live process, or every process at `sm_util`
+0): the policy's formula applied to that part of its present time alone (`usage`: the memory
+share of that time), so it never exceeds the allocated time, scaled down with it when the GPU
+is overcommitted (rounded down, so it stays at or below the container's scaled share).
+
 Each container's time is rounded down to the millisecond. When the GPU's containers add up to
 more than the GPU's observed time (HAMi can oversubscribe), they are scaled down to it
 proportionally (largest remainder, ties to the earlier row), so the sum is exactly the observed
@@ -28,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final, Literal
 
-__all__ = ["POLICIES", "Policy", "allocated_ms", "fit", "observed_ms", "used_ms"]
+__all__ = ["POLICIES", "Policy", "allocated_ms", "fit", "idle_part", "observed_ms", "used_ms"]
 
 Policy = Literal["cores", "memory", "max", "usage"]
 POLICIES: Final[tuple[Policy, ...]] = ("cores", "memory", "max", "usage")
@@ -75,6 +81,12 @@ def fit(values: Sequence[int], observed: int) -> tuple[list[int], bool]:
     for _, i in sorted(rems)[:short]:
         scaled[i] += 1
     return scaled, True
+
+
+def idle_part(alloc: Sequence[int], idle: Sequence[int], raw: Sequence[int]) -> list[int]:
+    """The reserved-but-idle part of each allocation `alloc` (after `fit`): `idle` of its
+    unscaled `raw`, in proportion, rounded down; `idle` itself when nothing was scaled."""
+    return [a * i // r if r else 0 for a, i, r in zip(alloc, idle, raw, strict=True)]
 
 
 def observed_ms(intervals: Sequence[Sequence[int]]) -> int:

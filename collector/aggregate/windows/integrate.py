@@ -67,12 +67,16 @@ class Integrator:
                     d.lim += d.limit * pdt
                     d.smlim += d.sm_limit * pdt
                     d.pres += pdt
+                    if not d.sm:  # reserved but idle: no SM activity, or no live key
+                        d.ipres += pdt
                 if d.nkeys:
                     total = d.total
                     d.mem += total * dt
                     d.nvml += d.monitor * dt
                     d.smp += d.sm * dt
                     d.cov += dt
+                    if not d.sm:
+                        d.imem += total * dt
                     if total > d.peak:
                         d.peak = total
                     if node:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ...events import Identity
 from ..records import BillingRecord, in_bounds, make_record_id, record_order, seconds
-from .allocate import Policy, allocated_ms, fit, observed_ms, used_ms
+from .allocate import Policy, allocated_ms, fit, idle_part, observed_ms, used_ms
 from .identity import Identities
 from .inventory import Inventory
 from .state import RowKey, Track
@@ -41,12 +41,25 @@ def _names(who: Identity) -> dict[str, Any]:
 
 
 class _Row:
-    __slots__ = ("lim", "mem", "nvml", "obs", "peak", "samples", "shares", "sm", "smlim")
+    __slots__ = (
+        "imem",
+        "ishares",
+        "lim",
+        "mem",
+        "nvml",
+        "obs",
+        "peak",
+        "samples",
+        "shares",
+        "sm",
+        "smlim",
+    )
 
     def __init__(self) -> None:
         self.mem = self.nvml = self.sm = self.lim = self.smlim = 0
-        self.peak = self.samples = self.obs = 0
+        self.peak = self.samples = self.obs = self.imem = 0
         self.shares: dict[tuple[int, int], int] = {}
+        self.ishares: dict[tuple[int, int], int] = {}  # the SM-idle part of `shares`
 
 
 class Output:
@@ -111,6 +124,10 @@ class Output:
                 shares = row.shares
                 for lk, ms in d.shares.items():
                     shares[lk] = shares.get(lk, 0) + ms
+                ishares = row.ishares
+                for lk, ms in d.ishares.items():
+                    ishares[lk] = ishares.get(lk, 0) + ms
+                row.imem += d.imem
                 if ivs:
                     gpus.setdefault((ws, tr.node, d.uuid), []).extend(ivs)
             d.reset_window()
@@ -147,19 +164,26 @@ class Output:
         if memory <= 0 and policy in ("memory", "max"):
             self._stats.allocation_fallbacks += 1
         ctrs = [k for k in keys if k[2]]  # node rows (empty pod_uid) are allocated nothing
-        used, _ = fit([used_ms(out[k].sm, out[k].mem, memory) for k in ctrs], observed)
+        used_raw = [used_ms(out[k].sm, out[k].mem, memory) for k in ctrs]
+        used, _ = fit(used_raw, observed)
         if policy == "usage":
-            alloc, over = list(used), False
+            alloc, over, raw = list(used), False, used_raw
+            idle_raw = [used_ms(0, out[k].imem, memory) for k in ctrs]
         else:
-            alloc, over = fit([allocated_ms(policy, out[k].shares, memory) for k in ctrs], observed)
+            raw = [allocated_ms(policy, out[k].shares, memory) for k in ctrs]
+            alloc, over = fit(raw, observed)
+            idle_raw = [allocated_ms(policy, out[k].ishares, memory) for k in ctrs]
+        reserved_idle = idle_part(alloc, idle_raw, raw)
         if over:
             self._stats.overcommitted += 1
-        share = {k: (a, u) for k, a, u in zip(ctrs, alloc, used, strict=True)}
+        share = {
+            k: (a, u, ri) for k, a, u, ri in zip(ctrs, alloc, used, reserved_idle, strict=True)
+        }
         records = []
         for key in keys:
             _, _, pod_uid, container, _ = key
             r = out[key]
-            a, u = share.get(key, (0, 0))
+            a, u, ri = share.get(key, (0, 0, 0))
             who = self._identities.at(node, pod_uid, we) if pod_uid else None
             if who is None and pod_uid:
                 self._stats.unnamed_records += 1
@@ -185,15 +209,16 @@ class Output:
                     gpu_memory_bytes=memory,
                     allocated_gpu_seconds=seconds(a),
                     used_gpu_seconds=seconds(u),
+                    reserved_idle_gpu_seconds=seconds(ri),
                     overcommitted=over and bool(pod_uid),
                     **(_NAMES if who is None else _names(who)),
                 )
             )
         sa = sum(alloc)
         su = sum(used)
-        for kind, obs, a, u in (
-            ("gpu", observed, sa, su),
-            ("idle", 0, observed - sa, observed - su),
+        for kind, obs, a, u, ri in (
+            ("gpu", observed, sa, su, sum(reserved_idle)),
+            ("idle", 0, observed - sa, observed - su, 0),
         ):
             records.append(
                 BillingRecord(
@@ -217,6 +242,7 @@ class Output:
                     gpu_memory_bytes=memory,
                     allocated_gpu_seconds=seconds(a),
                     used_gpu_seconds=seconds(u),
+                    reserved_idle_gpu_seconds=seconds(ri),
                     overcommitted=over,
                 )
             )

@@ -75,6 +75,9 @@ class Device:
 
     __slots__ = (
         "cov",
+        "imem",
+        "ipres",
+        "ishares",
         "ivs",
         "limit",
         "lim",
@@ -114,6 +117,11 @@ class Device:
         # the present ms settled so far in the window (see `settle`)
         self.pres = 0
         self.shares: dict[tuple[int, int], int] = {}
+        # reserved-but-idle: the same for the present time with no SM activity on the device
+        # (no live key, or every key at sm_util 0), and the memory integral of that time
+        self.ipres = 0
+        self.ishares: dict[tuple[int, int], int] = {}
+        self.imem = 0
         self.ivs: list[list[int]] = []  # node rows only: the [a, b) intervals of `cov`
 
     def settle(self) -> None:
@@ -122,14 +130,18 @@ class Device:
             key = (self.sm_limit, self.limit)
             self.shares[key] = self.shares.get(key, 0) + self.pres
             self.pres = 0
+            if self.ipres:
+                self.ishares[key] = self.ishares.get(key, 0) + self.ipres
+                self.ipres = 0
 
     def has_window(self) -> bool:
         return bool(self.mem or self.nvml or self.smp or self.lim or self.smlim or self.samples)
 
     def reset_window(self) -> None:
         self.mem = self.nvml = self.smp = self.lim = self.smlim = self.peak = self.samples = 0
-        self.cov = self.pres = 0
+        self.cov = self.pres = self.ipres = self.imem = 0
         self.shares = {}
+        self.ishares = {}
         self.ivs = []
 
 
