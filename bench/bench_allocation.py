@@ -6,9 +6,10 @@ processes, side by side in one run.
     .venv/bin/python bench/bench_allocation.py [--repeat 5] [-- bench_windows args]
 
 "Off" is this tree's `collector/` copied to a temporary folder with `OFF_EDITS` applied: no
-observed-time intervals in `integrate`, no present time per limits (`Device.settle`, `pres`),
-no shares merged in `Output.emit`, no `observed_ms`/`fit`/`allocated_ms`/`used_ms` and no `gpu`
-and `idle` records in `Output._gpu`. Everything else is the same code, so the difference is the
+observed-time intervals in `integrate`, no present time per limits (`Device.settle`, `pres`, and
+the reserved-idle `ipres`/`imem`), no shares merged in `Output.emit`, no
+`observed_ms`/`fit`/`allocated_ms`/`used_ms`/`idle_part` and no `gpu` and `idle` records in
+`Output._gpu`. Everything else is the same code, so the difference is the
 allocation alone. An edit that no longer matches the code stops the bench with its name.
 The end-to-end path adds decoding and Kafka around the same code, so the share measured here is
 an upper bound for the end-to-end figure. Goal: allocation costs <= 15 % of the throughput.
@@ -45,7 +46,20 @@ OFF_EDITS: list[tuple[str, str, str, str]] = [
         "                    ivs.append([a, a + pdt])\n",
         "                tr.obs += pdt\n",
     ),
-    (W + "integrate.py", "present time", "                    d.pres += pdt\n", ""),
+    (
+        W + "integrate.py",
+        "present time",
+        "                    d.pres += pdt\n"
+        "                    if not d.sm:  # reserved but idle: no SM activity, or no live key\n"
+        "                        d.ipres += pdt\n",
+        "",
+    ),
+    (
+        W + "integrate.py",
+        "reserved-idle memory",
+        "                    if not d.sm:\n                        d.imem += total * dt\n",
+        "",
+    ),
     (
         W + "integrate.py",
         "node-row intervals",
@@ -71,6 +85,10 @@ OFF_EDITS: list[tuple[str, str, str, str]] = [
         "                shares = row.shares\n"
         "                for lk, ms in d.shares.items():\n"
         "                    shares[lk] = shares.get(lk, 0) + ms\n"
+        "                ishares = row.ishares\n"
+        "                for lk, ms in d.ishares.items():\n"
+        "                    ishares[lk] = ishares.get(lk, 0) + ms\n"
+        "                row.imem += d.imem\n"
         "                if ivs:\n"
         "                    gpus.setdefault((ws, tr.node, d.uuid), []).extend(ivs)\n",
         "",
@@ -83,14 +101,21 @@ OFF_EDITS: list[tuple[str, str, str, str]] = [
         '        if memory <= 0 and policy in ("memory", "max"):\n'
         "            self._stats.allocation_fallbacks += 1\n"
         "        ctrs = [k for k in keys if k[2]]  # node rows (empty pod_uid) are allocated nothing\n"  # noqa: E501
-        "        used, _ = fit([used_ms(out[k].sm, out[k].mem, memory) for k in ctrs], observed)\n"
+        "        used_raw = [used_ms(out[k].sm, out[k].mem, memory) for k in ctrs]\n"
+        "        used, _ = fit(used_raw, observed)\n"
         '        if policy == "usage":\n'
-        "            alloc, over = list(used), False\n"
+        "            alloc, over, raw = list(used), False, used_raw\n"
+        "            idle_raw = [used_ms(0, out[k].imem, memory) for k in ctrs]\n"
         "        else:\n"
-        "            alloc, over = fit([allocated_ms(policy, out[k].shares, memory) for k in ctrs], observed)\n"  # noqa: E501
+        "            raw = [allocated_ms(policy, out[k].shares, memory) for k in ctrs]\n"
+        "            alloc, over = fit(raw, observed)\n"
+        "            idle_raw = [allocated_ms(policy, out[k].ishares, memory) for k in ctrs]\n"
+        "        reserved_idle = idle_part(alloc, idle_raw, raw)\n"
         "        if over:\n"
         "            self._stats.overcommitted += 1\n"
-        "        share = {k: (a, u) for k, a, u in zip(ctrs, alloc, used, strict=True)}\n",
+        "        share = {\n"
+        "            k: (a, u, ri) for k, a, u, ri in zip(ctrs, alloc, used, reserved_idle, strict=True)\n"  # noqa: E501
+        "        }\n",
         "        over = False\n        share: dict[Any, Any] = {}\n",
     ),
     (
