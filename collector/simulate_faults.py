@@ -90,7 +90,10 @@ class FaultyWriter(CacheWriter):
     def compact_stale(self, dead_pids: Set[int] = frozenset()) -> list[int]:
         """Compaction as the library with the slot-pointer cache does it: the last slot is
         copied into each hole, but the moved process keeps writing its old index. Returns the
-        pids left writing at or beyond proc_num."""
+        pids left writing at or beyond proc_num. A dead process's stale pointer dies with it:
+        what it left past proc_num is nobody's once its copy below is compacted away."""
+        for pid in dead_pids:
+            self.pointer.pop(pid, None)
         moved: list[int] = []
         k = 0
         while k < self.proc_num:

@@ -7,11 +7,12 @@ Per file, after its snapshot and while its descriptor is open:
   finish that update: the slot is read as it stands (quiescent), so it neither drops out of the
   bill nor holds back anything.
 * `orphaned_slot`: a compaction that left a moved process's slot pointer stale makes that
-  process write at or beyond `proc_num` while a frozen copy of it sits below. The few slots just
-  past `proc_num` are read each scan; a live one whose bytes change is being written, and its
-  usage is taken from there instead of from the frozen copy. Two live slots below `proc_num`
-  with one (pid, hostpid) are reported too, and the one its writer updates (the higher seqlock
-  count) is used.
+  process write at or beyond `proc_num` while a frozen copy of it sits below. The slots past
+  `proc_num` are read each scan; a live one whose bytes change while its copy below does not is
+  being written, and its usage is taken from there instead of from the frozen copy. One with no
+  live copy below is a leftover, never an orphan. Two live slots below `proc_num` with one
+  (pid, hostpid) are reported too, and the one its writer updates (the higher seqlock count) is
+  used.
 
 Nothing here writes to the file; every read is a `pread` of the descriptor the scan opened.
 """
@@ -159,17 +160,24 @@ class WriterFaults:
             if proc.pid == 0 or proc.status == 0:
                 continue
             key = (proc.pid, proc.hostpid)
-            # Only the process itself writes `used[]` and the seqlock (the watcher writes the
-            # copy below too): its copy below proc_num is frozen there, or absent.
+            # Compaction copies the mover into a hole below proc_num, and only a compaction
+            # strands a pointer: a process writing past proc_num has a live copy below for as
+            # long as it lives. A live-looking slot without one is what a process left that
+            # started at this index and ended between two scans (before 2026-03 an exit
+            # compacts itself away at once): nobody writes it.
             copy_at = [p.slot for p in procs if (p.pid, p.hostpid) == key and p.slot < n]
-            if copy_at:
-                copy_raw = _pread(fd, layout.slot_offset(copy_at[0]), layout.slot_size)
-                below[key] = _owned(layout, copy_raw)
-            if layout.slot_seqlock is not None and key in below:
+            if not copy_at:
+                w.orphans.discard(k)
+                continue
+            # Only the process itself writes `used[]` and the seqlock (the watcher writes the
+            # copy below too): its copy below proc_num is frozen there.
+            copy_raw = _pread(fd, layout.slot_offset(copy_at[0]), layout.slot_size)
+            below[key] = _owned(layout, copy_raw)
+            if layout.slot_seqlock is not None:
                 # The seqlock counts its process's updates: the copy it writes is ahead.
                 stale = _count(mine) > _count(below[key])
             else:  # no seqlock: the copy below has not changed since the last scan
-                frozen = key not in below or below[key] == w.below.get(key)
+                frozen = below[key] == w.below.get(key)
                 stale = frozen and (prev not in (None, mine) or k in w.orphans)
             if not stale:
                 w.orphans.discard(k)
