@@ -66,6 +66,9 @@ class ContainerState(msgspec.Struct, array_like=True, frozen=True, gc=False):
     layout: str
     devices: list[DeviceLimit]
     rows: list[UsageRow]
+    # Whether Kubernetes has the container running, as the collector last said in a
+    # `ContainerRun` (None: it has said nothing, so presence is not gated by it).
+    running: bool | None = None
 
 
 class Identity(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -207,6 +210,21 @@ class CollectorStarted(_Base, tag=12, frozen=True):
     log: str  # its local log (spool) directory
 
 
+class ContainerRun(_Base, tag=13, frozen=True):
+    """From `at` (unix ms) container `cid` is running, or not, as Kubernetes recorded it: a
+    run's `state.running.startedAt`, its `finishedAt` (or `lastState.terminated.finishedAt` for a
+    restart the pod watch missed), the time the watch saw the pod deleted; after a deletion, the
+    scan's time when the file's last live process ends or a new one starts. Its limits and
+    allocation are billed only while it runs; `at` is not after `ts`, and the aggregator clamps
+    it to no earlier than `ts - lateness` (and counts that). `reason`: `started`, `finished`,
+    `restart_missed`, `deleted`, `processes`."""
+
+    cid: int
+    running: bool
+    at: int
+    reason: str
+
+
 Event = (
     ContainerAppeared
     | ContainerGone
@@ -220,6 +238,7 @@ Event = (
     | NodeDeviceSample
     | PodIdentity
     | CollectorStarted
+    | ContainerRun
 )
 EVENT_TYPES: tuple[type[Any], ...] = (
     ContainerAppeared,
@@ -234,6 +253,7 @@ EVENT_TYPES: tuple[type[Any], ...] = (
     NodeDeviceSample,
     PodIdentity,
     CollectorStarted,
+    ContainerRun,
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -83,8 +83,12 @@ def make_pod(
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
     owner: dict[str, Any] | None = None,
+    init_containers: tuple[str, ...] = (),
+    sidecars: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """A pod as `kubectl get pod -o json` shows one (the fields a kubelet-run pod has)."""
+    """A pod as `kubectl get pod -o json` shows one (the fields a kubelet-run pod has).
+    `init_containers` have completed; `sidecars` are native sidecars (init containers with
+    `restartPolicy: Always`, Kubernetes 1.29+), running."""
     uid = uid or str(uuidlib.uuid4())
     meta: dict[str, Any] = {
         "name": name,
@@ -108,6 +112,7 @@ def make_pod(
     }
     if owner is not None:
         meta["ownerReferences"] = [owner]
+    inits = [(c, False) for c in init_containers] + [(c, True) for c in sidecars]
     return {
         "kind": "Pod",
         "apiVersion": "v1",
@@ -127,6 +132,11 @@ def make_pod(
                 }
                 for c in containers
             ],
+            **(
+                {"initContainers": [_init_spec(c, sidecar) for c, sidecar in inits]}
+                if inits
+                else {}
+            ),
             "tolerations": [
                 {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute"}
             ],
@@ -147,8 +157,35 @@ def make_pod(
                 }
                 for c in containers
             ],
+            **(
+                {"initContainerStatuses": [_init_status(c, sidecar) for c, sidecar in inits]}
+                if inits
+                else {}
+            ),
         },
     }
+
+
+def _init_spec(name: str, sidecar: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": name,
+        "image": "nvcr.io/nvidia/cuda:12.6.2-base-ubuntu24.04",
+        "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}},
+    }
+    if sidecar:
+        spec["restartPolicy"] = "Always"
+    return spec
+
+
+def _init_status(name: str, sidecar: bool) -> dict[str, Any]:
+    if sidecar:
+        state: dict[str, Any] = {"running": {"startedAt": "2026-11-30T10:00:03Z"}}
+    else:
+        state = {"terminated": {"exitCode": 0, "reason": "Completed",
+                                "startedAt": "2026-11-30T10:00:02Z",
+                                "finishedAt": "2026-11-30T10:00:03Z"}}  # fmt: skip
+    return {"name": name, "ready": sidecar, "restartCount": 0, "started": sidecar,
+            "image": "nvcr.io/nvidia/cuda:12.6.2-base-ubuntu24.04", "state": state}  # fmt: skip
 
 
 def make_owned(

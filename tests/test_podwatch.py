@@ -28,6 +28,7 @@ from kube_apiserver import ApiServer, make_pod
 from collector.events import Identity, PodIdentity, decode
 from collector.layout.declarations import V12
 from collector.node.allocation import AllocatedDevice
+from collector.node.pods import Run
 from collector.node.podwatch import KubeConfigError, KubeSettings, PodWatch, open_api
 from collector.simulate import GiB, SimDevice, new_cache_file
 from collector.transport.locallog import LogReader
@@ -396,14 +397,21 @@ def test_kubeconfig_from_the_environment_and_no_kubernetes(
     assert "not in a cluster and no --kubeconfig or $KUBECONFIG: pod names are off" in alone.stderr
 
 
-async def test_terminated_statuses_and_phase_reach_the_view(
+async def test_container_statuses_and_phase_reach_the_view(
     server: ApiServer, tmp_path: Path
 ) -> None:
-    pod = server.add_cronjob_pod("ml", "nightly-eval", ["eval", "log"])
+    """Each container's state with its Kubernetes timestamps (init containers and native
+    sidecars first), `lastState` and restart count, and the pod's phase."""
+    pod = server.add_cronjob_pod("ml", "nightly-eval", ["eval", "log"], sidecars=("proxy",))
     async with watching(server, tmp_path) as watch:
         await asyncio.wait_for(watch.synced.wait(), 10)
         uid = pod["metadata"]["uid"]
-        assert (watch.view[uid].phase, watch.view[uid].ended) == ("Running", ())
+        assert watch.view[uid].phase == "Running"
+        assert watch.view[uid].runs == (
+            Run("proxy", "running", "2026-11-30T10:00:03Z"),
+            Run("eval", "running", "2026-11-30T10:00:05Z"),
+            Run("log", "running", "2026-11-30T10:00:05Z"),
+        )
         done = json.loads(json.dumps(pod))
         done["status"]["phase"] = "Succeeded"
         done["status"]["containerStatuses"][0]["state"] = {
@@ -411,13 +419,20 @@ async def test_terminated_statuses_and_phase_reach_the_view(
                            "startedAt": "2026-11-30T10:00:05Z",
                            "finishedAt": "2026-11-30T10:00:13Z"}
         }  # fmt: skip
-        done["status"]["initContainerStatuses"] = [
+        done["status"]["containerStatuses"][1].update(
+            restartCount=1,
+            state={"waiting": {"reason": "CrashLoopBackOff"}},
+            lastState={"terminated": {"exitCode": 1, "finishedAt": "2026-11-30T10:00:09Z"}},
+        )
+        done["status"]["initContainerStatuses"].insert(0,
             {"name": "init", "ready": False, "restartCount": 0, "image": "busybox",
              "state": {"terminated": {"exitCode": 0, "finishedAt": "2026-11-30T10:00:04Z"}}}
-        ]  # fmt: skip
+        )  # fmt: skip
         server.put_pod(done)
         await until(lambda: watch.view[uid].phase == "Succeeded")
-        assert watch.view[uid].ended == (
-            ("init", "2026-11-30T10:00:04Z"),
-            ("eval", "2026-11-30T10:00:13Z"),
+        assert watch.view[uid].runs == (
+            Run("init", "terminated", "", "2026-11-30T10:00:04Z"),
+            Run("proxy", "running", "2026-11-30T10:00:03Z"),
+            Run("eval", "terminated", "2026-11-30T10:00:05Z", "2026-11-30T10:00:13Z"),
+            Run("log", "waiting", "", "", "2026-11-30T10:00:09Z", 1),
         )

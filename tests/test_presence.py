@@ -1,182 +1,181 @@
-"""A folder that outlives its container is not billed (collector/node/presence.py): the real
+"""Presence from the pod watch, scan by scan (collector/node/presence.py and runs.py): the real
 Scanner over real cache files with the pod watch's view, and the Aggregator over what it sends.
 
-A Job's container terminates at +8 s while its folder stays; it restarts twice (new runs of the
-same container, the same folder), terminating at +20 s and +32 s. Its limit is billed exactly
-while it runs, as seen by the scans (1 s apart), `stale_container` is reported once per
-termination, and a pod deleted while its container runs is still billed. Then the same through
-the collector subprocess, the real client and the API server stand-in, with replay's bytes.
+A Job's container terminates at +8 s while its folder stays; it restarts (seen by the watch),
+restarts again unseen (only `lastState` tells), and ends at +32 s. Its limit is billed exactly
+inside its running intervals as Kubernetes stamped them, `stale_container` is reported once per
+termination, a pod deleted while its process runs is still billed and one deleted with only its
+folder left stops at the DELETED event's time; windows closed as events come, and a restart of
+the aggregator at any point, give the same records. End to end through the collector subprocess
+and the API server stand-in: `test_presence_k8s.py`.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-import subprocess
-import time
-from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
-from kube_apiserver import ApiServer, stop_collector
-from streams import HAMI_USAGE, env, hami, read_csv
-
+from collector.aggregate.records import BillingRecord
 from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.events import (
     ContainerAppeared,
     ContainerGone,
+    ContainerRun,
     Event,
+    Heartbeat,
     Identity,
     LayoutAnomaly,
-    decode,
 )
 from collector.layout.declarations import V12
 from collector.node.identity import IdentityStage
-from collector.node.pods import PodView
+from collector.node.pods import PodView, Run
 from collector.node.presence import PresenceStage
 from collector.node.scan import Scanner
 from collector.simulate import GiB, SimDevice, new_cache_file
-from collector.transport.locallog import LogReader
 
 JOB = "0b8e6a43-2f7e-4a6c-9d1e-6f5e1c0a9b11"
 DEP = "7c1d2e3f-4a5b-4c6d-8e9f-0a1b2c3d4e5f"
+LOST = "5a6b7c8d-9e0f-4a1b-8c2d-3e4f5a6b7c8d"
 T0 = 1_795_991_820_000  # 2026-11-29T22:37:00Z, a whole minute
-ISO = {8: "2026-11-29T22:37:08Z", 20: "2026-11-29T22:37:20Z", 32: "2026-11-29T22:37:32Z"}
 
 
-def view(job: str = "Running", ended: tuple[tuple[str, str], ...] = (), deleted: bool = False
-         ) -> dict[str, PodView]:  # fmt: skip
-    return {
-        JOB: PodView(Identity(JOB, "ml", "eval-29412360-q9w8e", "CronJob", "eval", {}), ("main",),
-                     None, None, phase=job, ended=ended),
-        DEP: PodView(Identity(DEP, "ml", "trainer-x", "Deployment", "trainer", {}), ("main",),
-                     None, None, deleted=deleted),
-    }  # fmt: skip
+def iso(second: int) -> str:
+    return f"2026-11-29T22:37:{second:02d}Z"
 
 
-def test_limits_are_billed_only_while_the_container_runs(tmp_path: Path) -> None:
+def job(state: str, started: int = 0, finished: int | None = None, last: int | None = None,
+        restarts: int = 0, phase: str = "Running") -> PodView:  # fmt: skip
+    run = Run("main", state, iso(started), "" if finished is None else iso(finished),
+              "" if last is None else iso(last), restarts)  # fmt: skip
+    return PodView(Identity(JOB, "ml", "eval-29412360-q9w8e", "CronJob", "eval", {}), ("main",),
+                   None, None, phase=phase, runs=(run,))  # fmt: skip
+
+
+def other(uid: str, name: str, deleted_at: float | None = None) -> PodView:
+    return PodView(Identity(uid, "ml", name, "Deployment", name, {}), ("main",), None, None,
+                   deleted=deleted_at is not None, deleted_at=deleted_at or 0.0,
+                   runs=(Run("main", "running", iso(0)),))  # fmt: skip
+
+
+def scenario(tmp_path: Path) -> tuple[list[Event], PresenceStage]:
+    """The Job's container runs [0, 8), is restarted (seen running again at +12, started at
+    +11), restarts once more between two reads of the watch (only `lastState` tells that it
+    ended at +19 and ran again from +20), and ends for good at +32. The trainer's pod is deleted
+    at +39.5 while its process runs: billed on. The lost pod (no process, its folder stays) is
+    deleted at +39.5 too: billed until then."""
     root = tmp_path / "root"
     writers = [
         new_cache_file(root, JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)]),
         new_cache_file(root, DEP, "main", V12, [SimDevice("GPU-b", 1 * GiB, 100)]),
+        new_cache_file(root, LOST, "main", V12, [SimDevice("GPU-c", 2 * GiB, 100)]),
     ]
-    current = view()
-    presence = PresenceStage(lambda: current)
+    writers[1].add_process(100, 0)
+    second = 0.0
+    views = {
+        # second -> the job's view from then on
+        0: job("running"),
+        9: job("terminated", 0, 8),  # terminated at +8 s, seen at the +9 s scan
+        12: job("running", 11, last=8, restarts=1),  # restarted: running again
+        21: job("running", 20, last=19, restarts=2),  # a whole restart missed by the watch
+        33: job("terminated", 20, 32, last=19, restarts=2, phase="Failed"),
+    }
+    current: dict[str, PodView] = {}
+    presence = PresenceStage(lambda: current, monotonic=lambda: second)
     scanner = Scanner(root, heartbeat_s=10, inc=1, identity=IdentityStage(lambda: current),
                       presence=presence)  # fmt: skip
-    timeline = {
-        # second -> the view from then on
-        9: view("Running", (("main", ISO[8]),)),  # terminated at +8 s, seen at the +9 s scan
-        12: view("Running", ()),  # restarted: running again
-        21: view("Running", (("main", ISO[20]),)),  # terminated again
-        24: view("Running", ()),  # second restart
-        33: view("Failed", (("main", ISO[32]),)),  # terminated for good, and the pod failed
-        40: view("Failed", (("main", ISO[32]),), deleted=True),  # the trainer's pod is deleted
-    }
     events: list[Event] = []
-    for second in range(0, 60):
-        current = timeline.get(second, current)
-        events += scanner.scan(now_ms=T0 + second * 1000)
+    for s in range(0, 60):
+        second = float(s)
+        deleted = 39.5 if s >= 40 else None
+        current = {
+            JOB: views.get(s, current.get(JOB, views[0])),
+            DEP: other(DEP, "trainer-x", deleted),
+            LOST: other(LOST, "lost-y", deleted),
+        }
+        events += scanner.scan(now_ms=T0 + s * 1000)
     for w in writers:
         w.close()
+    return events, presence
 
+
+def test_limits_are_billed_only_while_the_container_runs(tmp_path: Path) -> None:
+    events, presence = scenario(tmp_path)
     stale = [e for e in events if isinstance(e, LayoutAnomaly) and e.anomaly == "stale_container"]
     assert [(e.ts - T0, e.value, e.detail) for e in stale] == [
         (9_000, 1, "container main of pod ml/eval-29412360-q9w8e terminated at "
                    "2026-11-29T22:37:08Z, 1 s ago; its folder is still there: not billed"),
-        (21_000, 1, "container main of pod ml/eval-29412360-q9w8e terminated at "
-                    "2026-11-29T22:37:20Z, 1 s ago; its folder is still there: not billed"),
         (33_000, 1, "container main of pod ml/eval-29412360-q9w8e terminated at "
                     "2026-11-29T22:37:32Z, 1 s ago; its folder is still there: not billed"),
     ]  # fmt: skip
     assert presence.stale == 1
-    job_cids = {e.cid: e.ts - T0 for e in events if isinstance(e, ContainerAppeared)
-                and e.pod_uid == JOB}  # fmt: skip
-    assert sorted(job_cids.values()) == [0, 12_000, 24_000]  # first run, and two restarts
+    cids = {e.cid: (e.pod_uid, e.ts - T0) for e in events if isinstance(e, ContainerAppeared)}
+    job_cids = sorted(c for c, (uid, _) in cids.items() if uid == JOB)
+    assert [cids[c][1] for c in job_cids] == [0, 12_000]  # the first run, the seen restart
+    runs = [(e.cid, e.running, e.at - T0, e.reason, e.ts - T0)
+            for e in events if isinstance(e, ContainerRun)]  # fmt: skip
+    first, second_run = job_cids
+    by_pod = {uid: c for c, (uid, _) in cids.items()}
+    dep, lost = by_pod[DEP], by_pod[LOST]
+    assert sorted(runs[:3]) == sorted([(c, True, 0, "started", 0) for c in (first, dep, lost)])
+    assert runs[3:] == [
+        (first, False, 8_000, "finished", 9_000),
+        (second_run, True, 11_000, "started", 12_000),
+        (second_run, False, 19_000, "restart_missed", 21_000),
+        (second_run, True, 20_000, "started", 21_000),
+        (second_run, False, 32_000, "finished", 33_000),
+        (lost, False, 39_500, "deleted", 40_000),
+    ]  # fmt: skip
     gone = sorted(e.ts - T0 for e in events if isinstance(e, ContainerGone) and e.cid in job_cids)
-    assert gone == [9_000, 21_000, 33_000]
+    assert gone == [9_000, 33_000]
+    hb = [e for e in events if isinstance(e, Heartbeat) and e.ts - T0 == 50_000]
+    assert {c.cid: c.running for c in hb[0].containers} == {dep: True, lost: False}
 
-    # Billed: the job's 4 GiB limit for its three runs as the scans saw them, [0, 9), [12, 21)
-    # and [24, 33): 27 s; the trainer's whole minute, its pod's deletion at +40 s notwithstanding.
+    # Billed: the job's 4 GiB limit for its three runs, [0, 8), [12, 19) and [20, 32): 27 s
+    # (the second run from when its folder was tracked again); the trainer's whole minute, its
+    # pod's deletion notwithstanding; the lost pod's until its deletion.
     agg = Aggregator(WindowSettings())
     for i, e in enumerate(events):
         agg.add("n1", e, offset=i)
     records = agg.flush()
     limit = {r.pod_uid: r.memory_limit_byte_seconds for r in records if r.window_start_ms == T0}
-    assert limit[JOB] == 4 * GiB * 27
-    assert limit[DEP] >= 1 * GiB * 59
+    assert limit == {JOB: 4 * GiB * 27, DEP: 1 * GiB * 60, LOST: Decimal(2 * GiB * 39.5), "": 0}
+    alloc = {r.pod_uid: r.allocated_gpu_seconds for r in records
+             if r.window_start_ms == T0 and r.kind == "container"}  # fmt: skip
+    assert alloc == {JOB: Decimal("13.5"), DEP: 60, LOST: Decimal("39.5")}  # 50 % SM for 27 s
+    assert agg.stats.presence_clamped == 0
     named = {r.pod_uid: r.pod for r in records if r.window_start_ms == T0 and r.pod_uid}
-    assert named == {JOB: "eval-29412360-q9w8e", DEP: "trainer-x"}
+    assert named == {JOB: "eval-29412360-q9w8e", DEP: "trainer-x", LOST: "lost-y"}
+
+    # Closing windows as the events come gives the same records (replay, a live run).
+    step = Aggregator(WindowSettings())
+    out = []
+    for i, e in enumerate(events):
+        step.add("n1", e, offset=i)
+        out += step.advance()
+    assert out + step.flush() == records
 
 
-def test_through_the_pod_watch_a_finished_job_stops_being_billed(tmp_path: Path) -> None:
-    """The collector as a subprocess with the real client against the API server stand-in: the
-    Job's container terminates (status and phase as the kubelet writes them) while its folder
-    stays; its limit stops within a scan of the watch seeing it, and replay gives the same
-    bytes."""
-    root, log = tmp_path / "root", tmp_path / "log"
-    srv = ApiServer(node="node-a", bookmark_every_s=0.5).start()
-    srv.add_namespace("ml")
-    job = srv.add_cronjob_pod("ml", "nightly-eval", ["main"])
-    dep = srv.add_deployment_pod("ml", "trainer", ["main"])
-    writers = []
-    for pod, uuid in ((job, "GPU-a"), (dep, "GPU-b")):
-        w = new_cache_file(root, pod["metadata"]["uid"], "main", V12, [SimDevice(uuid, GiB)])
-        w.add_process(100, 4100)
-        w.add_memory(100, 0, "context", 100 << 20)
-        writers.append(w)
-    proc = subprocess.Popen(
-        [str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(log), "--node", "node-a",
-         "--kubeconfig", str(srv.kubeconfig(tmp_path / "kubeconfig")), "--interval", "0.2",
-         "--heartbeat", "1", "--no-nvml"],
-        env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while not srv.watch_requests():  # the collector has listed the pods and watches
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
-        time.sleep(2)
-        done = json.loads(json.dumps(srv.pods[job["metadata"]["uid"]]))
-        finished = datetime.now(UTC)
-        done["status"]["phase"] = "Succeeded"
-        done["status"]["containerStatuses"][0]["state"] = {
-            "terminated": {"exitCode": 0, "reason": "Completed",
-                           "finishedAt": finished.strftime("%Y-%m-%dT%H:%M:%SZ")}
-        }  # fmt: skip
-        srv.put_pod(done)
-        time.sleep(4)
-    finally:
-        rc, stderr = stop_collector(proc, srv, writers)
-    assert rc == 0, stderr[-3000:]
-    events = [decode(r.value) for r in LogReader(log).read(0, 1_000_000)]
-    (stale,) = [
-        e for e in events if isinstance(e, LayoutAnomaly) and e.anomaly == "stale_container"
-    ]
-    assert stale.detail.startswith(f"container main of pod ml/{job['metadata']['name']} terminated")
-    # Not billed from the scan that saw it: the watch's read batch (0.5 s) and one interval
-    # (0.2 s) after the status was written, plus what a loaded test machine adds.
-    seen_ms = stale.ts
-    assert seen_ms - finished.timestamp() * 1000 < 5_000
+def test_a_restart_at_every_cut_point_bills_the_same_runs(tmp_path: Path) -> None:
+    """The aggregator restarted anywhere (from `needed_offsets()`, windows up to
+    `emitted_until_ms` suppressed) gives the records of an uninterrupted run: the running gate
+    is rebuilt from the change that set it, or the heartbeat that restated it."""
+    events, _ = scenario(tmp_path)
+    settings = WindowSettings(window_ms=5_000, lateness_ms=10_000, max_gap_ms=30_000)
 
-    live = tmp_path / "live.csv"
-    window = ["--window", "1", "--lateness", "0.5", "--max-gap", "3"]
-    agg = hami("aggregate", "--log", log, *window, "--csv", live, "--drain")
-    assert agg.returncode == 0, agg.stderr[-3000:]
-    rows = list(csv.DictReader(io.StringIO(live.read_text())))
-    job_rows = [r for r in rows if r["pod_uid"] == job["metadata"]["uid"]]
-    dep_rows = [r for r in rows if r["pod_uid"] == dep["metadata"]["uid"]]
-    last_job = max(r["window_start"] for r in job_rows)
-    assert last_job < max(r["window_start"] for r in dep_rows)  # the trainer goes on
-    assert datetime.fromisoformat(last_job) <= datetime.fromtimestamp(seen_ms // 1000, UTC)
-    assert all(r["namespace"] == "ml" for r in job_rows[-2:]), [
-        (r["window_start"], r["namespace"], r["memory_limit_byte_seconds"]) for r in job_rows
-    ]
+    def feed(agg: Aggregator, first: int, last: int) -> list[BillingRecord]:
+        out: list[BillingRecord] = []
+        for offset in range(first, last):
+            agg.add("n1", events[offset], offset=offset)
+            out += agg.advance()
+        return out
 
-    starts = sorted({r["window_start"] for r in rows})
-    replayed = tmp_path / "replay.csv"
-    end = datetime.fromisoformat(starts[-1]).timestamp() + 1
-    rep = hami("replay", "--log", log, *window, "--csv", replayed, "--from", starts[0],
-               "--to", datetime.fromtimestamp(end, UTC).isoformat())  # fmt: skip
-    assert rep.returncode == 0, rep.stderr
-    assert read_csv(replayed) == read_csv(live)
+    whole = Aggregator(settings)
+    expected = feed(whole, 0, len(events)) + whole.flush()
+    assert sum(r.memory_limit_byte_seconds for r in expected if r.pod_uid == JOB) == 4 * GiB * 27
+    for cut in range(1, len(events), 3):
+        before = Aggregator(settings)
+        got = feed(before, 0, cut)
+        resume = before.needed_offsets().get(0, cut)
+        after = Aggregator(settings, emitted_until_ms=before.emitted_until_ms)
+        got += feed(after, resume, len(events)) + after.flush()
+        assert got == expected, cut

@@ -69,11 +69,12 @@ class FileState:
     dead_rows: dict[ProcKey, list[UsageRow]] = field(default_factory=dict)
     vouched: set[ProcKey] = field(default_factory=set)
     last_kernel_time: int | None = None
+    running: bool | None = None  # what the last ContainerRun said (runs.py); None: nothing
 
     def state(self) -> ContainerState:
         rows = [self.rows[k] for k in sorted(self.rows)]
         return ContainerState(
-            self.cid, self.pod_uid, self.container, self.layout, self.devices, rows
+            self.cid, self.pod_uid, self.container, self.layout, self.devices, rows, self.running
         )
 
 

@@ -49,22 +49,46 @@ class PodSpec(msgspec.Struct, frozen=True, rename="camel"):
     containers: list[ContainerSpec] = []
 
 
+class Running(msgspec.Struct, frozen=True, rename="camel"):
+    started_at: str = ""
+
+
 class Terminated(msgspec.Struct, frozen=True, rename="camel"):
+    started_at: str = ""
     finished_at: str = ""
     exit_code: int = 0
+    reason: str = ""
+
+
+class Waiting(msgspec.Struct, frozen=True):
     reason: str = ""
 
 
 class ContainerRunState(msgspec.Struct, frozen=True):
     """`state` of a container status: exactly one of running, waiting, terminated is set."""
 
+    running: Running | None = None
     terminated: Terminated | None = None
+    waiting: Waiting | None = None
 
 
 class ContainerStatus(msgspec.Struct, frozen=True, rename="camel"):
     name: str = ""
     restart_count: int = 0
     state: ContainerRunState = ContainerRunState()
+    last_state: ContainerRunState = ContainerRunState()
+
+    def run(self) -> Run:
+        state, last = self.state, self.last_state.terminated
+        if state.running is not None:
+            kind, started, finished = "running", state.running.started_at, ""
+        elif state.terminated is not None:
+            kind, started = "terminated", state.terminated.started_at
+            finished = state.terminated.finished_at
+        else:
+            kind, started, finished = ("waiting" if state.waiting is not None else ""), "", ""
+        return Run(self.name, kind, started, finished,
+                   last.finished_at if last is not None else "", self.restart_count)  # fmt: skip
 
 
 class PodStatus(msgspec.Struct, frozen=True, rename="camel"):
@@ -72,13 +96,10 @@ class PodStatus(msgspec.Struct, frozen=True, rename="camel"):
     container_statuses: list[ContainerStatus] = []
     init_container_statuses: list[ContainerStatus] = []
 
-    def ended(self) -> tuple[tuple[str, str], ...]:
-        """(container, finishedAt) of the containers whose current state is terminated."""
-        return tuple(
-            (c.name, c.state.terminated.finished_at)
-            for c in (*self.init_container_statuses, *self.container_statuses)
-            if c.state.terminated is not None
-        )
+    def runs(self) -> tuple[Run, ...]:
+        """What the status says of each container, init containers (native sidecars among
+        them) first."""
+        return tuple(c.run() for c in (*self.init_container_statuses, *self.container_statuses))
 
 
 class Pod(msgspec.Struct, frozen=True):
@@ -118,6 +139,19 @@ class WatchEvent(msgspec.Struct, frozen=True):
 
 
 @dataclass(frozen=True)
+class Run:
+    """One container's status: `state` is `running`, `terminated`, `waiting` or "" (none);
+    times are Kubernetes' RFC 3339 text ("" when not given)."""
+
+    container: str
+    state: str
+    started: str = ""  # state.running.startedAt (state.terminated.startedAt when terminated)
+    finished: str = ""  # state.terminated.finishedAt
+    last_finished: str = ""  # lastState.terminated.finishedAt: how the previous run ended
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
 class PodView:
     identity: Identity
     containers: tuple[str, ...]  # spec.containers names, in order (the annotation's index)
@@ -126,7 +160,13 @@ class PodView:
     deleted: bool = False
     deleted_at: float = 0.0  # monotonic
     phase: str = ""
-    ended: tuple[tuple[str, str], ...] = ()  # (container, finishedAt) of terminated containers
+    runs: tuple[Run, ...] = ()  # the status of each container (spec and init)
+
+    def run(self, container: str) -> Run | None:
+        for r in self.runs:
+            if r.container == container:
+                return r
+        return None
 
 
 pod_decoder = msgspec.json.Decoder(Pod)

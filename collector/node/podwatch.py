@@ -452,7 +452,12 @@ class PodWatch:
         now = time.monotonic()
         old = self.view.get(meta.uid)
         if kind == "DELETED":
-            new = _deleted(old, now) if old is not None else None
+            # The object is the pod as it was last: its final statuses (a run that ended just
+            # before the deletion ends at its own finishedAt, not at the deletion).
+            last = pod.status
+            final = None if old is None else dataclasses.replace(old, phase=last.phase,
+                                                                 runs=last.runs())  # fmt: skip
+            new = _deleted(final, now) if final is not None else None
         else:
             new = await self._view_of(pod, old, now)
         if new is not None and new != old:
@@ -488,7 +493,7 @@ class PodWatch:
                 error = str(exc)
         containers = tuple(c.name for c in pod.spec.containers)
         status = pod.status
-        view = PodView(identity, containers, alloc, error, phase=status.phase, ended=status.ended())
+        view = PodView(identity, containers, alloc, error, phase=status.phase, runs=status.runs())
         if old is not None and old == view:
             return old
         return view

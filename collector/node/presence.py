@@ -2,53 +2,60 @@
 
 HAMi-core never deletes a container's folder, so a completed Job's pod kept for days would have
 its reservation (limits) billed the whole time. With the pod watch on, a container whose status
-is `terminated` (or whose pod is `Succeeded`/`Failed`) is *stale*: the scan stops tracking its
-file, which ends it in the stream (`ContainerGone`, so the aggregator stops billing its limits and
-usage at that scan), and reports it once per termination as `stale_container`, with its age since
-`finishedAt` as `value` (seconds). When the container runs again (a restart), its file is tracked
-again as a new container. A pod deleted while its container is still running is not stale: it
-keeps being billed under the identity it had (see `identity`).
+is `terminated`, or `waiting` after a terminated run (a crash loop's back-off), or any container
+of a `Succeeded`/`Failed` pod, is *stale*: its run ends at Kubernetes' `finishedAt`
+(`ContainerRun`, see `runs`), the scan stops tracking its file, which ends it in the stream
+(`ContainerGone` at that scan: usage is billed as measured until then), and it is reported once
+per termination as `stale_container`, with its age since `finishedAt` as `value` (seconds). When
+the container runs again (a restart), its file is tracked again as a new container. While it is
+tracked, `runs` states when it runs (restarts the watch missed, a deleted pod).
 
 Without the pod watch nothing is stale: every folder is billed while it exists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from datetime import datetime
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 from ..events import Event, LayoutAnomaly
-from .diff import Stamp
+from .diff import FileState, Stamp
 from .pods import PodView
+from .runs import Runs, iso_ms
 
 STALE_CONTAINER = "stale_container"
 _DONE = ("Succeeded", "Failed")
 
 
-def _ms(iso: str) -> int | None:
-    try:
-        return round(datetime.fromisoformat(iso).timestamp() * 1000)
-    except ValueError:
-        return None
-
-
 class PresenceStage:
-    def __init__(self, view: Callable[[], Mapping[str, PodView]]) -> None:
+    def __init__(
+        self,
+        view: Callable[[], Mapping[str, PodView]],
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._view = view
         self._now: Mapping[str, PodView] = {}
         self._reported: set[tuple[str, str, str]] = set()  # (pod uid, container, finishedAt)
         self._seen: set[tuple[str, str, str]] = set()
+        self._offset_ms = 0
+        self.runs = Runs(monotonic)
         self.stale = 0  # folders not billed now (gauge)
 
-    def begin(self) -> None:
-        """Once per scan, before `is_stale` is asked about its files."""
+    def begin(self, offset_ms: int = 0) -> None:
+        """Once per scan, before `is_stale` is asked about its files. `offset_ms`: the wall
+        clock's offset from event time (Kubernetes' timestamps are wall clock)."""
         self._now = self._view()
         self._seen = set()
+        self._offset_ms = offset_ms
 
     def end(self) -> None:
         # A termination whose folder went (or whose container runs again) is forgotten.
         self._reported &= self._seen
         self.stale = len(self._seen)
+
+    def process(self, files: Iterable[FileState], now_ms: int, stamp: Stamp) -> list[Event]:
+        """After the diff: the running intervals of the tracked containers (`runs`)."""
+        return self.runs.process(files, self._now, now_ms, self._offset_ms, stamp)
 
     def is_stale(
         self,
@@ -63,17 +70,24 @@ class PresenceStage:
         pv = self._now.get(pod_uid)
         if pv is None:
             return False
-        finished = dict(pv.ended).get(container)
-        if finished is None and pv.phase in _DONE:
+        run = pv.run(container)
+        finished: str | None = None
+        if run is not None and run.state == "terminated":
+            finished = run.finished
+        elif run is not None and run.state == "waiting" and run.last_finished:
+            finished = run.last_finished
+        elif pv.phase in _DONE:
             finished = ""  # the pod is done; this container has no terminated status of its own
         if finished is None:
             return False
+        if cid >= 0:
+            events += self.runs.stop(cid, iso_ms(finished), now_ms, self._offset_ms, stamp)
         key = (pod_uid, container, finished)
         self._seen.add(key)
         if key not in self._reported:
             self._reported.add(key)
-            at = _ms(finished) if finished else None
-            age = None if at is None else max(0, (now_ms - at) // 1000)
+            at = iso_ms(finished)
+            age = None if at is None else max(0, (now_ms + self._offset_ms - at) // 1000)
             when = f"terminated at {finished}, {age} s ago" if age is not None else pv.phase
             identity = pv.identity
             events.append(

@@ -129,7 +129,7 @@ class Scanner:
         refused: list[Skipped] = []
         presence = self.presence
         if presence is not None:
-            presence.begin()
+            presence.begin(self.clock.offset_ms if now_ms is None else 0)
         for f in found:
             key = (f.path, f.ino)
             st = self._files.get(key)
@@ -160,6 +160,8 @@ class Scanner:
             if gone.appeared:
                 events.append(self._stamp(ContainerGone, cid=gone.cid))
         self._files = present
+        if presence is not None:
+            events += presence.process(self._files.values(), self._ts, self._stamp)
         if self.crosscheck is not None:
             events += self.crosscheck.check(self._ts, self._files.values(), self._stamp)
         if self.identity is not None:

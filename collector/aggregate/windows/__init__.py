@@ -9,6 +9,7 @@ One concept a module:
 * `incarnations`: collector incarnations, de-duplication and supersession.
 * `state`: the per-container `Track`, its `Device`s and timeline entries.
 * `apply`: in-order application of events (samples, ends, presence, identity).
+* `runs`: Kubernetes' running intervals (`ContainerRun`), the gate on billed presence.
 * `integrate`: integrating live values over time, expiry at `max_gap_ms`.
 * `late`: the late policy (counted, never corrected).
 * `close`: closing a track's windows; `output`: merging tracks' windows into records.

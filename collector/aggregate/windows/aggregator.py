@@ -17,6 +17,7 @@ from ...events import (
     CollectorStarted,
     ContainerAppeared,
     ContainerGone,
+    ContainerRun,
     DeviceInventory,
     Event,
     Heartbeat,
@@ -28,6 +29,7 @@ from ...events import (
     UsageSample,
 )
 from ..records import BillingRecord, Gauge
+from . import runs
 from .checkpoint import needed_offsets
 from .close import run
 from .gauges import gauges
@@ -144,6 +146,10 @@ class Aggregator:
         elif isinstance(event, NodeDeviceSample):
             tr = self._track(node, inc, NODE_CID, source)
             tr.pending.append((eff, ts, seq, self._arrival, event, offset))
+        elif isinstance(event, ContainerRun):
+            tr = self._track(node, inc, event.cid, source)
+            tr.pending.append(runs.entry(event, closed, self._lateness, self._arrival, offset,
+                                         stats))  # fmt: skip
         elif isinstance(event, PodIdentity):
             self._identities.learn(node, event.identity, ts, seq, source, offset)
         elif isinstance(event, DeviceInventory):

@@ -9,7 +9,8 @@
   aggregator holds ends that key at the heartbeat's ts (the exit was missed).
 * **Presence** of a container (node, inc, cid) is refreshed by every event of that cid
   (appeared, sample, limits, process events, heartbeat state; not layout anomalies), capped at
-  `max_gap_ms` after the last one, and ended by `ContainerGone`. Limits are billed while present.
+  `max_gap_ms` after the last one, and ended by `ContainerGone`. Limits are billed while present
+  and not stopped by Kubernetes (`ContainerRun`, see `runs`).
 * **Identity**: `ContainerAppeared` or a heartbeat's `ContainerState` names the container and
   gives its device table (UUIDs, limits); `LimitsChanged` replaces the table. Rows at a time when
   the container is not named, or of a device index its table does not list, are counted in
@@ -26,6 +27,7 @@ from ...events import (
     MAX_PERCENT,
     ContainerAppeared,
     ContainerGone,
+    ContainerRun,
     ContainerState,
     DeviceLimit,
     LimitsChanged,
@@ -34,6 +36,7 @@ from ...events import (
     UsageRow,
     UsageSample,
 )
+from . import runs
 from .integrate import Integrator
 from .settings import NEVER
 from .state import Device, Entry, Supersede, Track
@@ -76,6 +79,9 @@ def apply(ig: Integrator, tr: Track, e: Entry) -> None:
         apply_rows(ig, tr, p.rows, t, off)
     elif isinstance(p, ContainerState):
         state(ig, tr, p, t, off)
+        runs.restate(tr, p.running, e[2], off)
+    elif isinstance(p, ContainerRun):
+        runs.switch(tr, p, e[2], off)
     elif isinstance(p, ContainerGone | Supersede):
         gone(ig, tr, t, off)
     elif isinstance(p, NodeDeviceSample):

@@ -2,10 +2,11 @@
 
 `needed_offsets()` gives, per source, the earliest offset whose event is still needed to rebuild
 the open windows: pending events, the samples behind every live key, the events behind each
-container's identity, limits and presence, and the ends (exits, gone, keys a heartbeat no longer
-states) of the last `max_gap_ms` before the closed end, by which a late or redelivered event is
-judged: without them a restarted instance would let an exit delivered before an older heartbeat,
-or a duplicate whose original lies before the restart offset, revive what had ended. A new
+container's identity, limits, presence and running gate (`runs`), and the ends (exits, gone,
+keys a heartbeat no longer states) of the last `max_gap_ms` before the closed end, by which a
+late or redelivered event is judged: without them a restarted instance would let an exit
+delivered before an older heartbeat, or a duplicate whose original lies before the restart
+offset, revive what had ended. A new
 `Aggregator(emitted_until_ms=E)` fed from those offsets recomputes the windows ending at or
 before E and suppresses them. One node's events are assumed to stay in one source (the node is
 the Kafka key). Late events are classified against this instance's own closed end, so a
@@ -44,6 +45,8 @@ def needed_offsets(
         gone = tr.gone_ts
         if gone is not None and (closed is None or gone > closed - gap) and 0 <= tr.gone_off < m:
             m = tr.gone_off
+        if tr.run is not None and 0 <= tr.run_off < m:
+            m = tr.run_off  # the gate's change or restatement (runs)
         if tr.uuids is not None:
             pass  # the node: every sample names it, so its keys and pending events are all
         elif tr.pod_uid is not None:

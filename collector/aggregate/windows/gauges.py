@@ -9,6 +9,7 @@ from ...events import (
     MAX_BYTES,
     ContainerAppeared,
     ContainerGone,
+    ContainerRun,
     ContainerState,
     LimitsChanged,
     ProcessExited,
@@ -38,6 +39,7 @@ def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]
         keys = {k: (v[0], v[1], v[2], v[3]) for k, v in tr.keys.items()}
         alive = tr.alive
         last = tr.last_ts
+        run, run_seq = tr.run, tr.run_seq
         for e in sorted(tr.pending):
             ts = e[1]
             p = e[4]
@@ -47,6 +49,11 @@ def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]
                     alive = False
                     ident = None
                 continue
+            if isinstance(p, ContainerRun):
+                run = p.running  # pending ones are in (time, seq) order
+                continue
+            if isinstance(p, ContainerState) and p.running is not None and e[2] > run_seq:
+                run = p.running
             if ts >= last:
                 alive = True
                 last = ts
@@ -76,7 +83,7 @@ def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]
                 keys = {k: v for k, v in keys.items() if k[:2] != proc or v[3] > ts}
         if ident is None:
             continue
-        present = alive and last + gap > now
+        present = alive and last + gap > now and run is not False
         usage: dict[int, list[int]] = {}
         for k, v in keys.items():
             if v[3] + gap > now:

@@ -38,8 +38,10 @@ class Integrator:
         devs = tr.devs.values()
         node = tr.uuids is not None
         while a < b:
-            # presence counts only while the container is named (it is billed by name)
-            pres_end = tr.last_ts + gap if tr.alive and tr.pod_uid is not None else a
+            # presence counts only while the container is named (it is billed by name) and
+            # not while Kubernetes says it does not run (runs)
+            present = tr.alive and tr.pod_uid is not None and tr.run is not False
+            pres_end = tr.last_ts + gap if present else a
             if not tr.nkeys and pres_end <= a:
                 return
             ws = a - a % w

@@ -37,6 +37,7 @@ from ...events import (
     UsageRow,
     UsageSample,
 )
+from . import runs
 from .apply import forget, learn, node_rows, row_ok, set_limits
 from .integrate import Integrator
 from .settings import NEVER
@@ -81,6 +82,7 @@ def apply_late(ig: Integrator, tr: Track, e: Entry, batch: list[Entry]) -> None:
         _late_rows(ig, tr, p.rows, ts, off, closed, batch)
     elif isinstance(p, ContainerState):
         _late_identity(ig, tr, p.pod_uid, p.container, p.devices, ts, off)
+        runs.restate(tr, p.running, e[2], off)
         _late_rows(ig, tr, p.rows, ts, off, closed, batch)
         stated = {(r.pid, r.hostpid, r.device) for r in p.rows}
         _end_late(ig, tr, ts, off, closed, lambda k: k not in stated)

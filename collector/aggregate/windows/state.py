@@ -9,6 +9,7 @@ from typing import Final, TypeAlias
 from ...events import (
     ContainerAppeared,
     ContainerGone,
+    ContainerRun,
     ContainerState,
     LimitsChanged,
     NodeDeviceSample,
@@ -54,6 +55,7 @@ Payload: TypeAlias = (
     | ProcessExited
     | LimitsChanged
     | NodeDeviceSample
+    | ContainerRun
     | Supersede
 )
 # (effective ts, event ts, seq, arrival, payload, offset). The effective ts differs from the event
@@ -176,6 +178,9 @@ class Track:
         "pending",
         "pod_uid",
         "pres_off",
+        "run",
+        "run_off",
+        "run_seq",
         "source",
         "uuids",
         "win",
@@ -204,6 +209,10 @@ class Track:
         self.gone_ts: int | None = None
         self.gone_off = -1
         self.pres_off = 0
+        # Kubernetes' running gate (runs): None until a ContainerRun or a restatement sets it
+        self.run: bool | None = None
+        self.run_seq = -1
+        self.run_off = -1
         self.cut: int | None = None  # where a newer incarnation ended this one
         self.pending: list[Entry] = []
         # applied entries of the last HISTORY_GAPS x max_gap: only late events consult them

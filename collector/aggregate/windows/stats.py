@@ -25,3 +25,5 @@ class AggregateStats(msgspec.Struct):
     node_conflicts: int = 0  # pairs of collectors live at once under one node name
     overlapping_events: int = 0  # events of the older of such a pair, not billed
     refused_records: int = 0  # a number beyond records.RECORD_MAX: never built
+    presence_clamped: int = 0  # ends of a run moved later to what could still change (runs)
+    presence_clamped_ms: int = 0  # ... and the container-ms they bill beyond Kubernetes' end
