@@ -84,13 +84,14 @@ class Runs:
             if gate is None:
                 gate = self.gates[cid] = Gate()
             pv = view.get(st.pod_uid)
-            if gate.deleted or (pv is not None and pv.deleted):
-                self._deleted(st, gate, pv, now_ms, offset_ms, stamp, events)
-            elif pv is not None:
+            if pv is not None and not gate.deleted:
+                # (The DELETED event's object too: the pod's last status, a restart in it.)
                 run = pv.run(st.container)
                 if run is not None and run.state == "running":
                     self._running(cid, gate, run.started, run.last_finished, now_ms, offset_ms,
                                   stamp, events)  # fmt: skip
+            if gate.deleted or (pv is not None and pv.deleted):
+                self._deleted(st, gate, pv, now_ms, stamp, events)
             st.running = gate.running
         for cid in self.gates.keys() - tracked:
             del self.gates[cid]
@@ -123,24 +124,19 @@ class Runs:
         gate: Gate,
         pv: PodView | None,
         now_ms: int,
-        offset_ms: int,
         stamp: Stamp,
         events: list[Event],
     ) -> None:
         live = bool(st.procs)
+        at, reason = now_ms, "processes"
         if not gate.deleted:
             gate.deleted = True
-            at = now_ms
+            reason = "deleted"
             if pv is not None and pv.deleted:
                 # The DELETED event's time, from the watch's monotonic stamp (in event time).
                 at = now_ms - max(0, round((self._monotonic() - pv.deleted_at) * 1000))
-            if not live and gate.running is not False:
-                events.append(self._send(gate, st.cid, False, at, now_ms, 0, "deleted", stamp))
-            elif live and gate.running is False:
-                events.append(self._send(gate, st.cid, True, at, now_ms, 0, "deleted", stamp))
-            return
-        if live != (gate.running is True):
-            events.append(self._send(gate, st.cid, live, now_ms, now_ms, 0, "processes", stamp))
+        if gate.running is not live:  # None too: from now on, this is what gates it
+            events.append(self._send(gate, st.cid, live, at, now_ms, 0, reason, stamp))
 
     def _send(
         self,
