@@ -72,6 +72,8 @@ def main() -> int:
     ap.add_argument("--containers", type=int, default=256)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="always print a cProfile of scans")
+    ap.add_argument("--sort", default="tottime", help="profile order (cumulative, tottime)")
+    ap.add_argument("--top", type=int, default=15, help="profile rows")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="hami-bench-") as tmp:
@@ -162,7 +164,7 @@ def main() -> int:
                 prof.disable()
             out = io.StringIO()
             stats = pstats.Stats(prof, stream=out)
-            stats.sort_stats("tottime").print_stats(15)
+            stats.sort_stats(args.sort).print_stats(args.top)
             print("\nprofile of 10 scans (by own time):")
             print(out.getvalue())
         sim.close()

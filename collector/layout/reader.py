@@ -369,13 +369,25 @@ class ParseMemo:
     holds the last scan's slots only (at most `MAX_PROCS`).
     """
 
-    __slots__ = ("header", "slots", "block")
+    __slots__ = ("header", "slots", "block", "last")
 
     def __init__(self) -> None:
-        # (size, header bytes) -> (detection, device_num, devices, their anomalies)
-        self.header: tuple[int, bytes, Detection, int, list[DeviceInfo], list[Anomaly]] | None = (
-            None
-        )
+        # (size, header bytes, what detection read beyond the header as (offset, bytes)) ->
+        # (detection, device_num, devices, their anomalies)
+        self.header: (
+            tuple[
+                int,
+                bytes,
+                tuple[tuple[int, bytes], ...],
+                Detection,
+                int,
+                list[DeviceInfo],
+                list[Anomaly],
+            ]
+            | None
+        ) = None
+        # (tail bytes, the snapshot): returned again when nothing it was made of changed
+        self.last: tuple[bytes, Snapshot] | None = None
         # slot -> (the _Short it was parsed with, its bytes, the proc, its anomalies)
         self.slots: dict[int, tuple[_Short, bytes, ProcSnapshot, list[Anomaly]]] = {}
         # slots [0, proc_num) in one piece -> the procs, their anomalies and live totals
@@ -408,23 +420,34 @@ def snapshot_fd(
     size = st.st_size
     header = f.read_at(0, HEADER_BYTES)
     known = memo.header if memo is not None else None
-    if known is not None and known[0] == size and known[1] == header:
-        # The same size and header as last scan, and the layout was told from them alone.
-        _, _, found, device_num, devices, device_anomalies = known
+    header_hit = (
+        known is not None
+        and known[0] == size
+        and known[1] == header
+        and all(f.read_at(off, len(was)) == was for off, was in known[2])
+    )
+    if header_hit:
+        # The same size, header and probed bytes as last scan: detection and the device
+        # table are pure functions of them.
+        assert known is not None
+        _, _, _, found, device_num, devices, device_anomalies = known
         layout = found.layout
         assert layout is not None
         anomalies = list(found.anomalies)
     else:
-        probed: list[int] = []
+        probes: list[tuple[int, bytes]] = []
 
         def read_at(offset: int, length: int) -> bytes:
-            probed.append(offset)
-            return f.read_at(offset, length)
+            got = f.read_at(offset, length)
+            probes.append((offset, got))
+            return got
 
         found = detect(size, header, read_at)
         anomalies = list(found.anomalies)
         layout = found.layout
         if layout is None:
+            if memo is not None:
+                memo.header = memo.last = None
             return empty_snapshot(
                 path,
                 size,
@@ -437,10 +460,14 @@ def snapshot_fd(
         padded = header.ljust(HEADER_BYTES, b"\0")
         device_num, devices, device_anomalies = _devices(_codec(layout), layout, padded)
         if memo is not None:
-            # Detection that read beyond the header (v0, v1.1) is not kept: those bytes change.
-            keep = not probed
             memo.header = (
-                (size, header, found, device_num, devices, device_anomalies) if keep else None
+                size,
+                header,
+                tuple(probes),
+                found,
+                device_num,
+                devices,
+                device_anomalies,
             )
     if size < layout.region_size:
         anomalies.append(
@@ -470,10 +497,17 @@ def snapshot_fd(
             block = _read_clean(f, layout, proc_num) if memo is not None else None
             if block is not None:
                 assert memo is not None
+                same = header_hit and memo.block is not None and memo.block[1] == block
                 procs, live_used = _parse_block(memo, codec, layout, ndev, block, anomalies)
+                last = memo.last
+                if same and last is not None and last[0] == tail and last[1].path == path:
+                    # Every byte the snapshot is made of is as last scan: so is the snapshot.
+                    return last[1]
                 _check_limits(devices, live_used, anomalies)
-                return _snapshot(path, size, layout, found, device_num, devices, proc_num,
+                snap = _snapshot(path, size, layout, found, device_num, devices, proc_num,
                                  procs, tail_fields, last_kernel_time, anomalies)  # fmt: skip
+                memo.last = (tail, snap)
+                return snap
             slots = _read_slots(f, layout, proc_num, retries, anomalies)
             slots = _within_contents(slots, proc_num, anomalies)
         else:
@@ -484,7 +518,7 @@ def snapshot_fd(
         slots = _scan_contiguous(f, layout, size, retries, anomalies)
 
     if memo is not None:
-        memo.block = None  # read slot by slot: the next scan compares slot by slot too
+        memo.block = memo.last = None  # read slot by slot: compared slot by slot next scan
     short = _short(layout, ndev)
     live_used = [0] * MAX_DEVICES  # sum of `total` over live processes, per device
     if memo is None:

@@ -44,6 +44,7 @@ class ScanStats:
     events: int = 0
     clock_steps: int = 0  # steps of the wall clock absorbed (see clock.py)
     clock_offset_ms: int = 0  # wall clock - event time, as of the last step
+    settled: int = 0  # files of the last scan whose snapshot was last scan's (no diff needed)
 
 
 class Scanner:
@@ -62,8 +63,12 @@ class Scanner:
         writer_faults: WriterFaultSettings | None = None,
         presence: PresenceStage | None = None,
         presence_policy: Presence = "folder",
+        reuse: bool = True,
     ) -> None:
+        """`reuse=False` parses every file in full and diffs every snapshot, as before
+        ParseMemo (tests and benchmarks compare the two)."""
         self.discovery = Discovery(root, listing)
+        self.reuse = reuse
         self.writer_faults = WriterFaults(writer_faults)
         self.heartbeat_ms = int(heartbeat_s * 1000)
         self.host_proc = host_proc
@@ -78,6 +83,7 @@ class Scanner:
         self.published: list[tuple[ContainerState, int | None]] = []
         self._files: dict[tuple[str, int], FileState] = {}
         self._memos: dict[tuple[str, int], ParseMemo] = {}  # per file, as _files
+        self._snaps: dict[tuple[str, int], Snapshot] = {}  # the snapshot each was diffed to
         self._skipped: set[tuple[str, str, str]] = set()
         self._next_cid = 0
         self._last_heartbeat_ms: int | None = None
@@ -128,6 +134,8 @@ class Scanner:
         present: dict[tuple[str, int], FileState] = {}
         refused: list[Skipped] = []
         presence = self.presence
+        host_proc, policy, reuse = self.host_proc, self.presence_policy, self.reuse
+        last, seen, settled = self._snaps, {}, 0
         if presence is not None:
             presence.begin(self.clock.offset_ms if now_ms is None else 0)
         for f in found:
@@ -144,14 +152,18 @@ class Scanner:
             snap = self._read(f, refused)
             if snap is None:
                 continue  # vanished or refused: gone (ContainerGone below if it had appeared)
-            events += diff(
-                st, snap, self._stamp, host_proc=self.host_proc, policy=self.presence_policy
-            )
+            if reuse and host_proc is None and _settled(st, snap, last.get(key)):
+                st.last_kernel_time = snap.last_kernel_time
+                settled += 1
+            else:
+                events += diff(st, snap, self._stamp, host_proc=host_proc, policy=policy)
+            seen[key] = snap
             present[key] = st
         if presence is not None:
             presence.end()
         self._report_skipped(refused, skipped_now, events)
         self.writer_faults.keep(present)
+        self._snaps = seen
         if len(self._memos) > len(present):
             self._memos = {k: m for k, m in self._memos.items() if k in present}
         self._skipped = skipped_now
@@ -170,6 +182,7 @@ class Scanner:
         elapsed_ms = (time.perf_counter() - started) * 1000
         self.stats.scans += 1
         self.stats.files = len(present)
+        self.stats.settled = settled
         self.stats.last_scan_ms = elapsed_ms
         self.stats.anomalies += sum(isinstance(e, LayoutAnomaly) for e in events)
         if (
@@ -212,7 +225,7 @@ class Scanner:
             return None
         key = (f.path, f.ino)
         memo = self._memos.get(key)
-        if memo is None:
+        if memo is None and self.reuse:
             memo = self._memos[key] = ParseMemo()
         fd = opened.fd
         try:
@@ -264,3 +277,20 @@ class Scanner:
             )
             for i, part in enumerate(parts)
         ]
+
+
+def _settled(st: FileState, snap: Snapshot, prev: Snapshot | None) -> bool:
+    """True when diffing `snap` could only set `st.last_kernel_time`: diff already took `st`
+    to `prev`, and `snap` has the very objects `prev` had for everything else diff reads (the
+    reader hands back last scan's procs and device table where their bytes are unchanged; see
+    ParseMemo), so a second diff finds nothing to tell. A pending restatement or an unusable
+    last snapshot always goes through diff."""
+    return (
+        prev is not None
+        and snap.procs is prev.procs
+        and snap.devices is prev.devices
+        and snap.layout == prev.layout
+        and snap.anomalies == prev.anomalies
+        and not st.restate
+        and not st.unobserved
+    )
