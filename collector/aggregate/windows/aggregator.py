@@ -115,10 +115,11 @@ class Aggregator:
             return
         inc = event.inc
         seq = event.seq
-        if not self._incs.admit(node, inc, seq, ts):
+        incs = self._incs
+        if not incs.admit(node, inc, seq, ts):
             stats.duplicates += 1
             return
-        if self._guard.overlaps(node, inc, ts):
+        if node in incs.several and self._guard.overlaps(node, inc, ts):
             return
         progress.event(source, node, ts, record_ts_ms)
         closed = self._closed
@@ -234,6 +235,8 @@ class Aggregator:
 
     def _maybe_supersede(self, tr: Track, target: int) -> None:
         """Put the start of a newer incarnation of the node on this track's timeline, once."""
+        if tr.node not in self._incs.several:
+            return
         cut = self._incs.cut(tr.node, tr.inc)
         if cut >= target or (tr.cut is not None and tr.cut <= cut):
             return

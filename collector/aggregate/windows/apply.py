@@ -114,13 +114,14 @@ def apply_rows(ig: Integrator, tr: Track, rows: list[UsageRow], t: int, off: int
         if d is None or d.uuid is None:
             ig.stats.unattributed_rows += 1
             continue
-        if not row_ok(r):
-            ig.stats.refused_values += 1
-            continue
-        k = (r.pid, r.hostpid, dev)
         total = r.total
         mon = r.monitor
         sm = r.sm_util
+        # `row_ok`, inlined: this loop runs once per usage row
+        if not (0 <= total <= MAX_BYTES and 0 <= mon <= MAX_BYTES and 0 <= sm <= MAX_PERCENT):
+            ig.stats.refused_values += 1
+            continue
+        k = (r.pid, r.hostpid, dev)
         v = keys.get(k)
         if v is None:
             keys[k] = [total, mon, sm, t, off]

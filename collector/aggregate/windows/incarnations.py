@@ -57,11 +57,14 @@ class Incarnation:
 class Incarnations:
     """Every incarnation the aggregator knows, by (node, inc) and grouped by node."""
 
-    __slots__ = ("_by_node", "_incs")
+    __slots__ = ("_by_node", "_incs", "several")
 
     def __init__(self) -> None:
         self._incs: dict[tuple[str, int], Incarnation] = {}
         self._by_node: dict[str, dict[int, Incarnation]] = {}
+        # Nodes with more than one incarnation: only their events can be cut or overlap, so the
+        # per-event checks ask this set first.
+        self.several: set[str] = set()
 
     def admit(self, node: str, inc: int, seq: int, ts: int) -> bool:
         """Record event (node, inc, seq) at `ts`; False when it is a duplicate (nothing
@@ -69,7 +72,10 @@ class Incarnations:
         incarnation = self._incs.get((node, inc))
         if incarnation is None:
             incarnation = self._incs[(node, inc)] = Incarnation()
-            self._by_node.setdefault(node, {})[inc] = incarnation
+            incs = self._by_node.setdefault(node, {})
+            incs[inc] = incarnation
+            if len(incs) > 1:
+                self.several.add(node)
         if seq > incarnation.hwm:
             incarnation.hwm = seq
             seqs = incarnation.seqs
@@ -113,3 +119,5 @@ class Incarnations:
                     if incs[inc].last_ts < horizon:
                         del incs[inc]
                         del self._incs[(node, inc)]
+                if len(incs) < 2:
+                    self.several.discard(node)
