@@ -271,7 +271,7 @@ def add_record(
         return
     node = (key or b"").decode("utf-8", "replace")
     stats.damage.see(node, event)
-    agg.add(node, event, source=source, offset=offset, record_ts_ms=record_ts_ms)
+    agg.add(node, event, source=source, offset=offset, record_ts_ms=record_ts_ms, raw=value)
 
 
 class DamageWatch:

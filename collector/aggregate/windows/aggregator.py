@@ -42,7 +42,7 @@ from .nodeguard import NodeConflict, NodeGuard
 from .output import Output
 from .progress import Progress
 from .settings import MAX_TS, NEVER, RETAIN_GAPS, WindowSettings
-from .state import NODE_CID, SUPERSEDE, Track
+from .state import NODE_CID, SUPERSEDE, Packed, Track
 from .stats import AggregateStats
 
 __all__ = ["Aggregator"]
@@ -101,7 +101,10 @@ class Aggregator:
         source: int = 0,
         offset: int = 0,
         record_ts_ms: int | None = None,
+        raw: bytes | None = None,
     ) -> None:
+        """`raw`: the message `event` was decoded from, if at hand: a `UsageSample` then
+        waits for its window as those bytes (`state.Packed`), not as decoded rows."""
         stats = self.stats
         stats.events += 1
         progress = self._progress
@@ -129,7 +132,8 @@ class Aggregator:
             tr = self._tracks.get((node, inc, event.cid))
             if tr is None:
                 tr = self._track(node, inc, event.cid, source)
-            tr.pending.append((eff, ts, seq, self._arrival, event, offset))
+            payload = event if raw is None else Packed(raw)
+            tr.pending.append((eff, ts, seq, self._arrival, payload, offset))
         elif isinstance(event, Heartbeat):
             if event.interval_ms > self._gap:
                 self._heartbeat_over_gap(node, event.interval_ms)

@@ -39,7 +39,7 @@ from ...events import (
 from . import runs
 from .integrate import Integrator
 from .settings import NEVER
-from .state import Device, Entry, Supersede, Track
+from .state import Device, Entry, Packed, Supersede, Track
 
 __all__ = [
     "apply",
@@ -72,7 +72,12 @@ def apply(ig: Integrator, tr: Track, e: Entry) -> None:
         ig.roll(tr, ws)
     p = e[4]
     off = e[5]
-    if isinstance(p, UsageSample):
+    if isinstance(p, Packed):
+        tr.alive = True
+        tr.last_ts = t
+        tr.pres_off = off
+        apply_rows(ig, tr, p.sample().rows, t, off)
+    elif isinstance(p, UsageSample):
         tr.alive = True
         tr.last_ts = t
         tr.pres_off = off

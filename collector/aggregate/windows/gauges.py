@@ -19,7 +19,7 @@ from ..records import Gauge
 from .apply import row_ok
 from .progress import Progress
 from .settings import NEVER
-from .state import Supersede, Track
+from .state import Supersede, Track, unpacked
 
 __all__ = ["gauges"]
 
@@ -42,7 +42,7 @@ def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]
         run, run_seq = tr.run, tr.run_seq
         for e in sorted(tr.pending):
             ts = e[1]
-            p = e[4]
+            p = unpacked(e[4])
             if isinstance(p, ContainerGone | Supersede):
                 keys = {k: v for k, v in keys.items() if v[3] > ts}
                 if last <= ts:

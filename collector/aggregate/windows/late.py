@@ -41,7 +41,7 @@ from . import runs
 from .apply import forget, learn, node_rows, row_ok, set_limits
 from .integrate import Integrator
 from .settings import NEVER
-from .state import Entry, Key, Payload, Supersede, Track
+from .state import Entry, Key, Payload, Supersede, Track, unpacked
 from .stats import AggregateStats
 
 __all__ = ["apply_late", "count_late"]
@@ -57,7 +57,7 @@ def apply_late(ig: Integrator, tr: Track, e: Entry, batch: list[Entry]) -> None:
     `batch`: the entries applied at this close (the late ones among them are not in the
     track's history yet)."""
     ts = e[1]
-    p = e[4]
+    p = unpacked(e[4])
     off = e[5]
     closed = e[0]
     if isinstance(p, ContainerGone | Supersede):
@@ -135,6 +135,7 @@ def _end_late(
 
 def _touches(tr: Track, p: Payload, k: Key) -> bool:
     """`p` samples or ends key `k` of `tr`."""
+    p = unpacked(p)
     if isinstance(p, UsageSample):
         return any(r.pid == k[0] and r.hostpid == k[1] and r.device == k[2] for r in p.rows)
     if isinstance(p, ProcessExited):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Final, TypeAlias
 
+import msgspec
+
 from ...events import (
     ContainerAppeared,
     ContainerGone,
@@ -26,16 +28,39 @@ __all__ = [
     "Device",
     "Entry",
     "Key",
+    "Packed",
     "Payload",
     "RowKey",
     "Supersede",
     "Track",
     "effective",
+    "unpacked",
 ]
 
 # The cid of a node's pseudo-container (its NodeDeviceSample rows): outside the range of any
 # integer a decoded event can carry (msgpack: [-2**63, 2**64)), so no container can be it.
 NODE_CID: Final = -(1 << 64)
+
+
+class Packed:
+    """A `UsageSample` held as the message it came in until its window closes, then decoded
+    again (`sample`). Entries wait `max_skew_ms + lateness_ms` and more before they are applied
+    and stay in the history `HISTORY_GAPS x max_gap_ms` after: as decoded rows (a struct and
+    its integer objects, about 300 bytes a row) they were most of the aggregator's memory;
+    as msgpack they are about 30 bytes a row. The bytes were decoded and validated when they
+    were added, so decoding them again gives the same sample."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        # a copy only when it is not immutable bytes already (a slice of a reused buffer)
+        self.raw = bytes(raw)
+
+    def sample(self) -> UsageSample:
+        return _sample_decoder.decode(self.raw)
+
+
+_sample_decoder: Final = msgspec.msgpack.Decoder(UsageSample)
 
 
 class Supersede:
@@ -48,6 +73,7 @@ SUPERSEDE: Final = Supersede()
 
 Payload: TypeAlias = (
     UsageSample
+    | Packed
     | ContainerState
     | ContainerAppeared
     | ContainerGone
@@ -66,6 +92,12 @@ Key: TypeAlias = tuple[int, int, int]  # (pid, hostpid, device)
 RowKey: TypeAlias = tuple[int, str, str, str, str]  # (window start, node, pod_uid, ctr, uuid)
 
 effective = itemgetter(0)
+
+
+def unpacked(p: Payload) -> Payload:
+    """The payload with a `Packed` sample decoded."""
+    return p.sample() if isinstance(p, Packed) else p
+
 
 # How far back (in max_gap) a track keeps the entries it applied, for the late accounting.
 HISTORY_GAPS: Final = 2
