@@ -190,6 +190,11 @@ class Result:
     rows: int
     seconds: float
     records: int = 0
+    cpu: float = 0.0  # CPU seconds of the job's process (all its threads) over the same span
+
+    @property
+    def cpu_rate(self) -> float:
+        return self.rows / self.cpu
 
     @property
     def rate(self) -> float:
@@ -198,11 +203,12 @@ class Result:
 
 async def drive(
     consumer: Any, done: Callable[[dict[int, int]], bool], out_dir: str
-) -> tuple[int, float, float, int]:
+) -> tuple[int, float, float, int, float]:
     """The service's consumption path (collector/aggregate/service.py) on a started consumer:
     decode, an `Aggregator` per partition, `advance` after every batch into a CSV sink, and
     `flush()` like `--drain` once `done(next offset per partition)`. Returns (messages, clock
-    at the first record, clock at the end, records written); the clock is `time.monotonic`."""
+    at the first record, clock at the end, records written, CPU seconds in between); the clock
+    is `time.monotonic`."""
     from collector.aggregate.service import Outputs
 
     aggs: dict[int, Aggregator] = {}
@@ -216,6 +222,7 @@ async def drive(
             batch = await consumer.getmany(timeout_ms=500, max_records=5000)
             if batch and started is None:
                 started = time.monotonic()
+                cpu0 = time.process_time()
             for tp, msgs in batch.items():
                 agg = aggs.get(tp.partition)
                 if agg is None:
@@ -242,10 +249,11 @@ async def drive(
             if finished:
                 break
         ended = time.monotonic()
+        cpu = time.process_time() - cpu0
     finally:
         outputs.close()
     assert not (stats.undecodable or stats.unknown_schema), stats
-    return seen, started or ended, ended, outputs.written
+    return seen, started or ended, ended, outputs.written, cpu
 
 
 async def subscribe(bootstrap: str, topic: str, group: str, **client: object) -> Any:
@@ -277,12 +285,12 @@ async def ours(
     consumer = await subscribe(bootstrap, topic, f"{group}-{uuid.uuid4().hex[:8]}", **client)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-e2e-") as out_dir:
-            seen, started, ended, written = await drive(
+            seen, started, ended, written, cpu = await drive(
                 consumer, lambda nxt: sum(nxt.values()) >= messages, out_dir
             )
     finally:
         await consumer.stop()
-    return Result(seen, usage_rows, ended - started, written)
+    return Result(seen, usage_rows, ended - started, written, cpu)
 
 
 # The Quix Streams job. argv: repo, bootstrap, topic, messages, state dir.
@@ -302,7 +310,8 @@ app = Application(
     loglevel="WARNING",
 )
 topic = app.topic(topic_name, key_deserializer="str", value_deserializer="bytes")
-progress = {"seen": 0, "rows": 0, "first": None, "last": None, "windows": 0, "total": 0}
+progress = {"seen": 0, "rows": 0, "first": None, "last": None, "windows": 0, "total": 0,
+            "cpu0": 0.0, "cpu": 0.0}
 
 
 def integrate(value, state):
@@ -310,6 +319,7 @@ def integrate(value, state):
     max_gap); returns the byte-milliseconds this message closes, per node (message key)."""
     if progress["first"] is None:
         progress["first"] = time.perf_counter()
+        progress["cpu0"] = time.process_time()
     event = decode(value)
     progress["seen"] += 1
     if isinstance(event, UsageSample):
@@ -334,6 +344,7 @@ def integrate(value, state):
     progress["total"] += integral
     if progress["seen"] >= messages:
         progress["last"] = time.perf_counter()
+        progress["cpu"] = time.process_time() - progress["cpu0"]
         app.stop()
     return integral
 
@@ -351,6 +362,7 @@ app.run()
 print(json.dumps({
     "messages": progress["seen"], "rows": progress["rows"],
     "seconds": progress["last"] - progress["first"], "windows": progress["windows"],
+    "cpu": progress["cpu"],
     "byte_ms": progress["total"],
 }))
 '''
@@ -368,7 +380,7 @@ def quix(python: str, bootstrap: str, topic: str, messages: int) -> tuple[Result
     if proc.returncode != 0:
         raise SystemExit(f"bench_e2e: the Quix Streams job failed:\n{proc.stderr[-4000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return Result(out["messages"], out["rows"], out["seconds"], out["windows"]), out
+    return Result(out["messages"], out["rows"], out["seconds"], out["windows"], out["cpu"]), out
 
 
 def quix_version(python: str) -> str:
@@ -418,43 +430,49 @@ def main(argv: list[str] | None = None) -> int:
             "  quix: skipped (no --quix-python; create the venv with: python3 -m venv "
             "/tmp/quixvenv && /tmp/quixvenv/bin/pip install quixstreams msgspec)"
         )
-    mine: list[float] = []
-    theirs: list[float] = []
+    mine: list[Result] = []
+    theirs: list[Result] = []
     for i in range(args.repeat):
         gc.collect()
         r = asyncio.run(ours(bootstrap, topic, len(events), usage_rows))
-        mine.append(r.rate)
+        mine.append(r)
         print(
             f"  round {i + 1} (load {load()}): ours {r.messages:,} messages, {r.records:,} "
-            f"records written, {r.seconds:.3f} s, {r.rate:,.0f} samples/s"
+            f"records written, {r.seconds:.3f} s ({r.cpu:.3f} s CPU), {r.rate:,.0f} samples/s"
         )
         if args.quix_python:
             q, raw = quix(args.quix_python, bootstrap, topic, len(events))
             assert q.messages == len(events) and q.rows == usage_rows, raw
-            theirs.append(q.rate)
+            theirs.append(q)
             print(
                 f"  round {i + 1} (load {load()}): quix {q.messages:,} messages, {q.records:,} "
-                f"windows closed, {q.seconds:.3f} s, {q.rate:,.0f} samples/s"
+                f"windows closed, {q.seconds:.3f} s ({q.cpu:.3f} s CPU), {q.rate:,.0f} samples/s"
             )
-    ours_med = statistics.median(mine)
-    print(
-        f"  ours (aiokafka + msgspec + Aggregator + CSV sink): median {ours_med:>12,.0f} "
-        f"samples/s of {len(mine)} runs (best {max(mine):,.0f})"
-    )
+    summary("ours (aiokafka + msgspec + Aggregator + CSV sink)", mine)
     if theirs:
-        quix_med = statistics.median(theirs)
-        print(
-            f"  quix (Quix Streams {version}, stateful apply + tumbling_window sum): median "
-            f"{quix_med:>12,.0f} samples/s of {len(theirs)} runs (best {max(theirs):,.0f})"
+        summary(f"quix (Quix Streams {version}, stateful apply + tumbling_window sum)", theirs)
+        ratio = statistics.median(r.rate for r in mine) / statistics.median(q.rate for q in theirs)
+        per_cpu = statistics.median(r.cpu_rate for r in mine) / statistics.median(
+            q.cpu_rate for q in theirs
         )
-        ratio = ours_med / quix_med
         verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
         print(
             f"  ratio ours/quix by medians: {ratio:.2f}x (goal >= {GOAL_RATIO:.0f}x: {verdict}); "
-            f"per round: " + ", ".join(f"{a / b:.2f}x" for a, b in zip(mine, theirs, strict=True))
+            f"per round: "
+            + ", ".join(f"{a.rate / b.rate:.2f}x" for a, b in zip(mine, theirs, strict=True))
+            + f"; per CPU second by medians: {per_cpu:.2f}x"
         )
     print(f"  python {sys.version.split()[0]}, load average at the end {load()}")
     return 0
+
+
+def summary(what: str, runs: list[Result]) -> None:
+    rates = [r.rate for r in runs]
+    per_cpu = statistics.median(r.cpu_rate for r in runs)
+    print(
+        f"  {what}: median {statistics.median(rates):,.0f} samples/s of {len(rates)} runs (best "
+        f"{max(rates):,.0f}); per CPU second median {per_cpu:,.0f}"
+    )
 
 
 def load() -> str:

@@ -62,7 +62,7 @@ async def replica(bootstrap: str, topic: str, group: str, replicas: int) -> dict
             raise SystemExit("bench_scaleout: the group rebalanced after the start")
         want = {tp.partition: end for tp, end in ends.items()}
         with tempfile.TemporaryDirectory(prefix="bench-scaleout-") as out_dir:
-            seen, started, ended, written = await drive(
+            seen, started, ended, written, _ = await drive(
                 consumer,
                 lambda nxt: all(nxt.get(p, 0) >= end for p, end in want.items()),
                 out_dir,
