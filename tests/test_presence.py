@@ -152,7 +152,10 @@ def test_limits_are_billed_only_while_the_container_runs(tmp_path: Path) -> None
     for i, e in enumerate(events):
         step.add("n1", e, offset=i)
         out += step.advance()
+    # The OTLP gauges: a limit only for what runs, from events still pending too.
+    assert {g.pod_uid: g.memory_limit_bytes for g in step.gauges()} == {DEP: GiB}
     assert out + step.flush() == records
+    assert {g.pod_uid: g.memory_limit_bytes for g in agg.gauges()} == {DEP: GiB}
 
 
 def test_a_restart_at_every_cut_point_bills_the_same_runs(tmp_path: Path) -> None:

@@ -158,7 +158,8 @@ COUNTERS: Final[tuple[Instrument, ...]] = (
         "{By.s}",
         "memory_limit_byte_seconds",
         1.0,
-        "GPU memory limit of the container while present, integrated over time",
+        "GPU memory limit of the container while present (and running, with the pod watch), "
+        "integrated over time",
     ),
     Instrument(
         "hami.gpu.memory.nvml_usage_byte_seconds",
