@@ -46,6 +46,12 @@ class CacheFile:
     container: str
     path: str
     ino: int  # a replaced file (new uuid name or new inode) is a new file
+    # (its container folder's name, its own name), split from `path` once per listing
+    names: tuple[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        directory, name = os.path.split(self.path)
+        object.__setattr__(self, "names", (os.path.basename(directory), name))
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class Discovery:
         self._root_fd: int | None = None
         self._held: dict[str, _Held] = {}  # container directory name -> what is kept in it
         self._open_count = 0  # descriptors in _held
+        self._listed_before: dict[str, _Dir] = {}
         self.max_open = _fd_bound(self.limits.open_files)
 
     def close(self) -> None:
@@ -166,6 +173,7 @@ class Discovery:
                     still.add(entry.name)
         for name in [n for n in held if n not in still]:
             self._drop_dir(name)  # gone, replaced, or a symlink now
+        listings = self.stats.listings
         listed = self._relist(dirs)
         files: list[CacheFile] = []
         large = 0
@@ -182,7 +190,9 @@ class Discovery:
             skipped += d.skipped
         self._dirs = listed
         self.stats.large = large
-        self._release_unlisted(files)
+        if self.stats.listings != listings or len(listed) != len(self._listed_before):
+            self._release_unlisted(files)  # a listing changed: a kept file may be unlisted now
+        self._listed_before = listed
         return files, skipped
 
     def _release_unlisted(self, files: list[CacheFile]) -> None:
@@ -273,8 +283,7 @@ class Discovery:
         reason."""
         if self._root_fd is None:
             raise FileNotFoundError(2, "the root is not open", f.path)
-        directory, name = os.path.split(f.path)
-        dir_name = os.path.basename(directory)
+        dir_name, name = f.names
         h = self._held.get(dir_name)
         kept = h.files.get(name) if h is not None else None
         if h is not None and kept is not None:
@@ -293,7 +302,7 @@ class Discovery:
             dir_fd, dir_kept = self._dir_fd(dir_name)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                return Skipped(directory, SYMLINK)
+                return Skipped(os.path.dirname(f.path), SYMLINK)
             raise
         try:
             fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
@@ -353,8 +362,8 @@ class Discovery:
 
     def forget(self, f: CacheFile) -> None:
         """Close `f`'s kept descriptor, if any (the scanner no longer reads it)."""
-        directory, name = os.path.split(f.path)
-        h = self._held.get(os.path.basename(directory))
+        dir_name, name = f.names
+        h = self._held.get(dir_name)
         if h is not None:
             self._drop_file(h, name)
 

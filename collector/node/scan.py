@@ -84,6 +84,7 @@ class Scanner:
         self._files: dict[tuple[str, int], FileState] = {}
         self._memos: dict[tuple[str, int], ParseMemo] = {}  # per file, as _files
         self._snaps: dict[tuple[str, int], Snapshot] = {}  # the snapshot each was diffed to
+        self._states: dict[tuple[str, int], ContainerState] = {}  # as last published
         self._skipped: set[tuple[str, str, str]] = set()
         self._next_cid = 0
         self._last_heartbeat_ms: int | None = None
@@ -135,7 +136,9 @@ class Scanner:
         refused: list[Skipped] = []
         presence = self.presence
         host_proc, policy, reuse = self.host_proc, self.presence_policy, self.reuse
-        last, seen, settled = self._snaps, {}, 0
+        last: dict[tuple[str, int], Snapshot] = self._snaps
+        seen: dict[tuple[str, int], Snapshot] = {}
+        unchanged: set[tuple[str, int]] = set()
         if presence is not None:
             presence.begin(self.clock.offset_ms if now_ms is None else 0)
         for f in found:
@@ -154,7 +157,7 @@ class Scanner:
                 continue  # vanished or refused: gone (ContainerGone below if it had appeared)
             if reuse and host_proc is None and _settled(st, snap, last.get(key)):
                 st.last_kernel_time = snap.last_kernel_time
-                settled += 1
+                unchanged.add(key)
             else:
                 events += diff(st, snap, self._stamp, host_proc=host_proc, policy=policy)
             seen[key] = snap
@@ -182,7 +185,7 @@ class Scanner:
         elapsed_ms = (time.perf_counter() - started) * 1000
         self.stats.scans += 1
         self.stats.files = len(present)
-        self.stats.settled = settled
+        self.stats.settled = len(unchanged)
         self.stats.last_scan_ms = elapsed_ms
         self.stats.anomalies += sum(isinstance(e, LayoutAnomaly) for e in events)
         if (
@@ -193,11 +196,14 @@ class Scanner:
             events += self._heartbeat(elapsed_ms, spool_depth, dropped, log_blocked)
         self.stats.events += len(events)
         # Read by the /metrics endpoint on the event loop: replaced whole, never mutated.
-        self.published = [
-            (st.state(), st.last_kernel_time)
-            for _, st in sorted(self._files.items())
-            if st.appeared and not st.unobserved
-        ]
+        # A settled file's state is last scan's: diff did not touch it.
+        kept, states = self._states, {}
+        for key, st in sorted(self._files.items()):
+            if st.appeared and not st.unobserved:
+                state = kept.get(key) if key in unchanged else None
+                states[key] = state if state is not None else st.state()
+        self._states = states
+        self.published = [(s, self._files[k].last_kernel_time) for k, s in states.items()]
         return events
 
     def _report_skipped(

@@ -52,6 +52,7 @@ class _Watch:
     below: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (pid, hostpid) -> bytes
     orphans: set[int] = field(default_factory=set)  # slots past proc_num seen being written
     high: int = 0  # the highest proc_num seen
+    unique: list[ProcSnapshot] = field(default_factory=list)  # procs that held no duplicate
 
 
 class WriterFaults:
@@ -73,7 +74,10 @@ class WriterFaults:
         anomalies = list(snap.anomalies)
         self._stuck(w, fd, layout, snap.device_num, procs, anomalies, now_s)
         self._beyond(w, fd, layout, snap, procs, anomalies)
-        _duplicates(fd, layout, procs, anomalies)
+        if procs != w.unique:  # the same procs as a scan that found no duplicate: none now
+            _duplicates(fd, layout, procs, anomalies)
+            if procs == snap.procs and anomalies == snap.anomalies:
+                w.unique = snap.procs
         if procs == snap.procs and anomalies == snap.anomalies:
             return snap
         procs.sort(key=lambda p: p.slot)
