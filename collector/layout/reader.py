@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..events import MAX_BYTES, MAX_PERCENT
-from .declarations import MAX_DEVICES, MAX_PROCS, UUID_LEN, Layout
+from .declarations import LAYOUTS, MAX_DEVICES, MAX_PROCS, UUID_LEN, Layout
 from .detect import HEADER_BYTES, Detection, detect
 from .snapshot import Anomaly, DeviceInfo, DeviceUsage, ProcSnapshot, Snapshot, empty_snapshot
 
@@ -359,6 +359,11 @@ def _within_contents(
     return slots
 
 
+# What detect() reads of the header lies below every layout's first slot, so a header memo
+# keyed on the bytes below `procs` covers everything detection and the device table read.
+assert max(lay.uuids + 4 for lay in LAYOUTS.values()) <= min(lay.procs for lay in LAYOUTS.values())
+
+
 class ParseMemo:
     """What the last snapshot of one file parsed, reused where its bytes are the same.
 
@@ -423,7 +428,7 @@ def snapshot_fd(
     header_hit = (
         known is not None
         and known[0] == size
-        and known[1] == header
+        and header.startswith(known[1])
         and all(f.read_at(off, len(was)) == was for off, was in known[2])
     )
     if header_hit:
@@ -462,7 +467,9 @@ def snapshot_fd(
         if memo is not None:
             memo.header = (
                 size,
-                header,
+                # Detection and the device table read the header only below `procs` (the
+                # rest of HEADER_BYTES is the first slot's, which changes all the time).
+                header[: layout.procs],
                 tuple(probes),
                 found,
                 device_num,
