@@ -187,3 +187,14 @@ def test_report_refused_is_one_line(secured: tuple[SecureBroker, Path, list[str]
         f"not authorized: TopicAuthorizationFailedError {names(tmp)['billing']}",
         "an ACL is missing",
     )
+
+
+def test_report_security_settings_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    config = tmp_path / "report.toml"
+    config.write_text("[report]\nkafka_security_protocol = 'SASL_SSL'\n")
+    rng = ["--from", "2026-01-01", "--to", "2026-01-02", "--kafka", "127.0.0.1:1"]
+    proc = run("report", *rng, "--config", str(config))
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "hami-usage report: kafka_security_protocol SASL_SSL needs kafka_sasl_mechanism\n"
+    )
