@@ -10,7 +10,8 @@ time, as `bench_e2e.py`. Each replica is a process of its own running `bench_e2e
 an `Aggregator` per partition, `advance` after each batch into a CSV sink, `flush` at the end
 of its partitions) in one consumer group. Replicas join, wait until the group has given every
 one its share (4 partitions / replicas), then start together; the clock runs from the first
-record any replica is handed to the last replica's end. Rates are usage rows per second.
+record any replica is handed to the last replica's end. Rates are usage rows per second; the
+replicas' CPU seconds over that span say how much of the machine's cores they got.
 Runs alternate (1 replica, 2 replicas, 1, ...) so both see the same load; the ratio is of the
 medians, and the load average is printed with each run. Goal: two >= 1.7 x one.
 
@@ -62,7 +63,7 @@ async def replica(bootstrap: str, topic: str, group: str, replicas: int) -> dict
             raise SystemExit("bench_scaleout: the group rebalanced after the start")
         want = {tp.partition: end for tp, end in ends.items()}
         with tempfile.TemporaryDirectory(prefix="bench-scaleout-") as out_dir:
-            seen, started, ended, written, _ = await drive(
+            seen, started, ended, written, cpu = await drive(
                 consumer,
                 lambda nxt: all(nxt.get(p, 0) >= end for p, end in want.items()),
                 out_dir,
@@ -75,13 +76,15 @@ async def replica(bootstrap: str, topic: str, group: str, replicas: int) -> dict
         "started": started,
         "ended": ended,
         "records": written,
+        "cpu": cpu,
     }
 
 
 def run_group(
     bootstrap: str, topic: str, replicas: int, rows_of: dict[int, int]
-) -> tuple[float, int, float]:
-    """Start `replicas` processes in one new group; (rows/s, messages, seconds)."""
+) -> tuple[float, int, float, float]:
+    """Start `replicas` processes in one new group; (rows/s, messages, seconds, CPU seconds of
+    all replicas)."""
     group = f"bench-scaleout-{uuid.uuid4().hex[:8]}"
     procs = [
         subprocess.Popen(
@@ -116,7 +119,8 @@ def run_group(
     assert parts == list(range(PARTITIONS)), parts
     seconds = max(r["ended"] for r in results) - min(r["started"] for r in results)
     messages = sum(r["messages"] for r in results)
-    return sum(rows_of.values()) / seconds, messages, seconds
+    cpu = sum(r["cpu"] for r in results)
+    return sum(rows_of.values()) / seconds, messages, seconds, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,12 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[int, list[float]] = {1: [], 2: []}
     for i in range(args.repeat):
         for n in (1, 2):
-            rate, messages, secs = run_group(bootstrap, topic, n, rows_of)
+            rate, messages, secs, cpu = run_group(bootstrap, topic, n, rows_of)
             assert messages == len(events), (messages, len(events))
             rates[n].append(rate)
             print(
                 f"  round {i + 1} (load {load()}): {n} replica{'s' if n > 1 else ''}: "
-                f"{secs:.3f} s, {rate:,.0f} samples/s"
+                f"{secs:.3f} s, {rate:,.0f} samples/s; {cpu:.3f} CPU s = {cpu / secs:.2f} cores"
             )
     one = statistics.median(rates[1])
     two = statistics.median(rates[2])
