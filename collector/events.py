@@ -132,7 +132,8 @@ class LimitsChanged(_Base, tag=6, frozen=True):
 class LayoutAnomaly(_Base, tag=7, frozen=True):
     """A reader anomaly (see the inspect contract) or a collector one (`stale_process`,
     `unreadable`, `skipped_path`, `large_directory`, `stuck_seqlock`, `orphaned_slot`,
-    `stale_utilization`, ...). cid is -1 when the file is not a tracked container."""
+    `shared_slot`, `stale_utilization`, ...). cid is -1 when the file is not a tracked
+    container."""
 
     cid: int
     path: str

@@ -13,6 +13,7 @@ Per file, after its snapshot and while its descriptor is open:
   live copy below is a leftover, never an orphan. Two live slots below `proc_num` with one
   (pid, hostpid) are reported too, and the one its writer updates (the higher seqlock count) is
   used.
+* `shared_slot`: a new process given the slot such a stale pointer writes; see `_shared`.
 
 Nothing here writes to the file; every read is a `pread` of the descriptor the scan opened.
 """
@@ -31,8 +32,8 @@ from ..layout.snapshot import Anomaly, ProcSnapshot, Snapshot
 
 FileKey = tuple[str, int]  # (path, inode), as the scanner keys files
 # Slots past proc_num read each scan: at least BEYOND (one compaction leaves its mover at
-# proc_num), and up to the highest proc_num seen (a compaction of several holes leaves movers
-# further out), at most REACH.
+# proc_num), up to the highest proc_num seen (a compaction of several holes leaves movers
+# further out) and on to the first slot never written, at most REACH.
 BEYOND = 2
 REACH = 64
 
@@ -51,6 +52,8 @@ class _Watch:
     beyond: dict[int, bytes] = field(default_factory=dict)  # slot -> bytes at the last scan
     below: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (pid, hostpid) -> bytes
     orphans: set[int] = field(default_factory=set)  # slots past proc_num seen being written
+    # slot -> the (pid, hostpid) seen writing it past proc_num, while that process lives
+    writers: dict[int, tuple[int, int]] = field(default_factory=dict)
     high: int = 0  # the highest proc_num seen
     unique: list[ProcSnapshot] = field(default_factory=list)  # procs that held no duplicate
 
@@ -73,6 +76,7 @@ class WriterFaults:
         procs = list(snap.procs)
         anomalies = list(snap.anomalies)
         self._stuck(w, fd, layout, snap.device_num, procs, anomalies, now_s)
+        self._shared(w, snap, procs, anomalies)
         self._beyond(w, fd, layout, snap, procs, anomalies)
         if procs != w.unique:  # the same procs as a scan that found no duplicate: none now
             _duplicates(fd, layout, procs, anomalies)
@@ -129,6 +133,30 @@ class WriterFaults:
         w.stuck = seen
 
     @staticmethod
+    def _shared(
+        w: _Watch, snap: Snapshot, procs: list[ProcSnapshot], anomalies: list[Anomaly]
+    ) -> None:
+        """`shared_slot`: a new process was given the slot a stale pointer writes (the library
+        adds at proc_num). From then on both processes' `used[]` changes land in that one slot,
+        and what the stale writer had there was zeroed with it: not separable from the file,
+        so billed as written (the newcomer's row carries both, the stale writer's copy below
+        stays as it was). Raised each scan while both live (the diff reports it once)."""
+        n = min(max(snap.proc_num, 0), MAX_PROCS)
+        for k, key in list(w.writers.items()):
+            if not any((p.pid, p.hostpid) == key and p.slot != k for p in procs):
+                del w.writers[k]  # its copy below is gone: the process ended
+                continue
+            now = next((p for p in procs if p.slot == k), None) if k < n else None
+            if now is None or now.pid == 0 or (now.pid, now.hostpid) == key:
+                continue
+            detail = (
+                f"pid {now.pid} (host pid {now.hostpid}) was given slot {k}, which pid {key[0]} "
+                f"(host pid {key[1]}) still writes through a stale slot pointer: both count in "
+                "that slot, not separable; billed as written"
+            )
+            anomalies.append(Anomaly("shared_slot", detail, slot=k, value=now.pid))
+
+    @staticmethod
     def _beyond(
         w: _Watch,
         fd: int,
@@ -145,6 +173,14 @@ class WriterFaults:
         size = layout.slot_size
         # One read of the range, and a second to tell a slot being written from a steady one.
         first = _pread(fd, layout.slot_offset(n), (end - n) * size)
+        # proc_num can rise and fall again between two scans (processes added, then holes
+        # compacted), leaving movers past the highest proc_num a scan saw: read on while the
+        # last slot read was ever written (slots never used are zero).
+        limit = min(n + REACH, MAX_PROCS)
+        while end < limit and len(first) == (end - n) * size and first[-size:].count(0) != size:
+            more = min(end + BEYOND, limit)
+            first += _pread(fd, layout.slot_offset(end), (more - end) * size)
+            end = more
         if first.count(0) == len(first):
             w.beyond, w.orphans = {}, set()
             return  # nothing ever written past proc_num: the usual case
@@ -172,6 +208,7 @@ class WriterFaults:
             copy_at = [p.slot for p in procs if (p.pid, p.hostpid) == key and p.slot < n]
             if not copy_at:
                 w.orphans.discard(k)
+                w.writers.pop(k, None)
                 continue
             # Only the process itself writes `used[]` and the seqlock (the watcher writes the
             # copy below too): its copy below proc_num is frozen there.
@@ -185,8 +222,10 @@ class WriterFaults:
                 stale = frozen and (prev not in (None, mine) or k in w.orphans)
             if not stale:
                 w.orphans.discard(k)
+                w.writers.pop(k, None)
                 continue  # a stale copy compaction left behind, or a slot moved under us
             w.orphans.add(k)
+            w.writers[k] = key
             copy = [p for p in procs if (p.pid, p.hostpid) == key]
             procs[:] = [p for p in procs if (p.pid, p.hostpid) != key]
             procs.append(_merged(proc, copy[0]) if copy else proc)
