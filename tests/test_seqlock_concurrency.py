@@ -32,7 +32,7 @@ import pytest
 from ccompile import compile_c
 
 from collector.layout.declarations import LAYOUTS, Layout
-from collector.layout.reader import read_snapshot, snapshot_fd
+from collector.layout.reader import ParseMemo, read_snapshot, snapshot_fd
 from collector.simulate import CacheWriter, SimDevice
 
 C_SOURCE = Path(__file__).parent / "c" / "seqlock_writer.c"
@@ -143,8 +143,17 @@ class Tally:
         )
 
 
-def take(fd: int, path: str, geo: Geometry, slot_size: int, tally: Tally, *, plain: bool) -> None:
-    snap = snapshot_fd(fd, path)
+def take(
+    fd: int,
+    path: str,
+    geo: Geometry,
+    slot_size: int,
+    tally: Tally,
+    *,
+    plain: bool,
+    memo: ParseMemo | None = None,
+) -> None:
+    snap = snapshot_fd(fd, path, memo=memo)
     tally.snapshots += 1
     if any(a.kind == "torn_read" for a in snap.anomalies):
         tally.torn += 1
@@ -217,3 +226,31 @@ def test_seqlock_snapshots_are_consistent(
     # The writer has stopped: the file reads cleanly and slot 0 is consistent again.
     final = read_snapshot(path)
     assert not [a for a in final.anomalies if a.kind != "mislabelled_layout"]
+
+
+@pytest.mark.parametrize("name", ["v1.2", "v1.1-interim"])
+def test_memoised_snapshots_are_consistent(writer_exe: Path, tmp_path: Path, name: str) -> None:
+    """The collector's path (one ParseMemo across snapshots: the slots read in one piece, last
+    scan's parse reused where the bytes are the same) under the same tight writer: nothing it
+    returns is torn, and the slot-by-slot fallback is taken when the writer is caught."""
+    lay = LAYOUTS[name]
+    geo = Geometry.of(lay)
+    path = _file(tmp_path, name)
+    fd = os.open(path, os.O_RDONLY)
+    memo = ParseMemo()
+    tally = Tally()
+    try:
+        with running_writer(writer_exe, path, geo, pause_ns=0):
+            end = time.monotonic() + TIGHT_SECONDS
+            while time.monotonic() < end:
+                take(fd, str(path), geo, lay.slot_size, tally, plain=False, memo=memo)
+    finally:
+        os.close(fd)
+    assert tally.inconsistent == [], tally.report()
+    assert tally.snapshots > 1000 and tally.entries_checked > 0, tally.report()
+    assert tally.torn > 0, tally.report()  # caught mid-update: the fallback ran
+    fd = os.open(path, os.O_RDONLY)
+    try:  # the writer has stopped: the memo gives what a fresh read gives
+        assert snapshot_fd(fd, str(path), memo=memo) == read_snapshot(path)
+    finally:
+        os.close(fd)
