@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from collector.aggregate.columns import arrow_schema
+from collector.aggregate.records import RECORD_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_793_491_200_000  # 2026-11-01T00:00:00Z
@@ -90,6 +91,8 @@ def day_table(day: int, nodes: int, gpus: int, ctrs: int, window_ms: int) -> pa.
             is_ctr, quarter / 2, np.where(kind_idx == 1, window_s / 2, window_s / 2)
         ),
         "overcommitted": np.zeros(rows, dtype=bool),
+        "reserved_idle_gpu_seconds": np.where(is_ctr, quarter / 4, 0.0),
+        "version": np.full(rows, RECORD_VERSION, dtype=np.int64),
     }
     # one label, `team`, on the containers
     counts = is_ctr.astype(np.int32)

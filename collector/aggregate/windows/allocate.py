@@ -18,8 +18,9 @@ inventory) over the window.
 **Reserved but idle**, per container: the part of its allocated time accrued while its
 measured SM utilisation on the device was 0 (no live process, or every process at `sm_util`
 0): the policy's formula applied to that part of its present time alone (`usage`: the memory
-share of that time), so it never exceeds the allocated time, scaled down with it when the GPU
-is overcommitted (rounded down, so it stays at or below the container's scaled share).
+share of that time), so it never exceeds the allocated time. When the GPU is overcommitted it
+is the same fraction of the scaled allocation, rounded down (`idle_part`): a container never
+busy is all reserved-idle, one always busy none.
 
 Each container's time is rounded down to the millisecond. When the GPU's containers add up to
 more than the GPU's observed time (HAMi can oversubscribe), they are scaled down to it
