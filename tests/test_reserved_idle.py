@@ -14,7 +14,7 @@ from test_fair_share import HOUR, GiB, Node, hour_of, ms, run, schedules
 from collector.aggregate.records import BillingRecord, csv_row, to_json
 from collector.aggregate.windows import WindowSettings
 from collector.aggregate.windows.allocate import POLICIES, Policy, idle_part
-from collector.events import ContainerState, DeviceLimit, Event, UsageRow
+from collector.events import ContainerRun, ContainerState, DeviceLimit, Event, UsageRow
 
 
 def container(records: list[BillingRecord], pod: str) -> tuple[int, int, int]:
@@ -215,3 +215,26 @@ def test_the_billing_schema_requires_the_field_from_version_2_on() -> None:
     for bad in (v1, {**v2, "version": 3}, {**v2, "version": 0}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_reserved_idle_stops_with_the_allocation_when_kubernetes_says_the_run_ended() -> None:
+    """Under the pod watch's running gate (ContainerRun) the folder outlives the run: neither
+    the allocation nor its idle part goes on after `finishedAt`."""
+    n = Node()
+    devs = [DeviceLimit(0, "GPU-A", 80 * GiB, 0)]
+    row = UsageRow(1, 2, 0, GiB, 0, 0, GiB, 0, 60)
+    events: list[Event] = [
+        n.appeared(0, 1, devs),
+        ContainerRun(1, n.inc, n._n(), 0, 1, True, 0, "started"),
+        n.sample(0, 1, row),
+        n.sample(10_000, 1, msgspec.structs.replace(row, sm_util=0)),
+        ContainerRun(1, n.inc, n._n(), 21_000, 1, False, 20_000, "finished"),
+    ]
+    for t in (30_000, 60_000, 90_000):  # the folder stays and is restated
+        state = ContainerState(1, "pod-1", "main", "v1.2", devs, [])
+        events.append(n.heartbeat(t, [state]))
+    events.append(n.gone(100_000, 1))
+    records, _ = run(events, "cores")
+    # present (running) 0..20 s, busy 0..10 s
+    alloc, _, idle = container(records, "pod-1")
+    assert (alloc, idle) == (20_000, 10_000)
