@@ -28,6 +28,8 @@ from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 from broker import SecureBroker, secure_broker
 from streams import consume_plain
 
+from collector.aggregate.records import RECORD_VERSION
+
 pytestmark = pytest.mark.kafka
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,7 +141,7 @@ def check_billing_messages(messages: list[Any], csv_path: Path) -> None:
             "content-type": b"application/json",
             "schema": b"hami.billing.v1",
         }
-        assert record["version"] == 1
+        assert record["version"] == RECORD_VERSION
         ids.add(record["record_id"])
     with csv_path.open(newline="") as fh:
         csv_ids = {row["record_id"] for row in csv.DictReader(fh)}
