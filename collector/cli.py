@@ -46,7 +46,20 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    """No abbreviated options: `--kafka-password S` would be taken for `--kafka-password-file`
+    and its value echoed as a file name. An unknown option's values are not echoed either: they
+    may be secrets typed to an option that does not exist."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
+        head, _, rest = message.partition(": ")
+        if head == "unrecognized arguments":
+            options = [a for a in rest.split() if a.startswith("-")]
+            shown = " ".join(a.partition("=")[0] for a in options) or "(values not shown)"
+            message = f"{head}: {shown}"
         raise UsageError(f"{self.prog}: {message}")
 
 

@@ -209,3 +209,22 @@ def test_simulate(paths: dict[str, str], tmp_path: Path, args: list[str], messag
 def test_demo_duration_is_bounded(tmp_path: Path) -> None:
     proc = run("demo", "--duration", "inf", "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert_one_line(proc, "hami-usage demo: argument --duration: must be > 0 and <= 86400, got inf")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["aggregate", "--log", "{log}", "--kafka-password", "s3cret-value"],  # not ..-file
+        ["collect", "--root", "{root}", "--log", "{log}", "--kafka-password=s3cret-value"],
+        ["collect", "--root", "{root}", "--log", "{log}", "--kafka-pass", "s3cret-value"],
+        ["aggregate", "--log", "{log}", "--drain", "s3cret-value"],
+    ],
+)
+def test_a_secret_given_to_an_option_that_does_not_exist_is_never_echoed(
+    paths: dict[str, str], tmp_path: Path, args: list[str]
+) -> None:
+    proc = run(*(a.format(**paths) for a in args), cwd=tmp_path)
+    unknown = [a.partition("=")[0] for a in args[3:] if a.startswith("--kafka-pass")]
+    shown = " ".join(unknown) or "(values not shown)"
+    assert_one_line(proc, f"hami-usage: unrecognized arguments: {shown}")
+    assert "s3cret" not in proc.stderr

@@ -44,9 +44,11 @@ def accepted(command: str, flag: str) -> bool:
     try:
         args = parser.parse_args([command, *extra, flag, "1"])
     except cli.UsageError as exc:
-        # A boolean flag takes no value: "unrecognized arguments: 1" means the flag itself is known;
-        # so does a flag with choices refusing the value.
-        return "unrecognized arguments: 1" in str(exc) or "invalid choice: '1'" in str(exc)
+        # A boolean flag takes no value: "1" left unrecognized (values are not echoed) means the
+        # flag itself is known; so does a flag with choices refusing the value.
+        return "unrecognized arguments: (values not shown)" in str(exc) or (
+            "invalid choice: '1'" in str(exc)
+        )
     return args is not None
 
 
