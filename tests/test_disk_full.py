@@ -153,6 +153,9 @@ def test_collector_rides_out_a_full_disk(tmp_path: Path, sim: NodeSimulator) -> 
         disk.attach(p2.proc.pid)
         port2 = p2.port()
         wait_until("blocked", lambda: metric(port2, "hami_usage_log_blocked") == 1, p2)
+        # The log refuses from its first append, which can come before the first scan ends;
+        # /healthz is 503 until a scan has happened, and 200 (degraded) from then on.
+        wait_until("scanning", lambda: metric(port2, "hami_usage_scans_total") >= 1, p2)
         assert get(port2, "/healthz")[0] == 200
         disk.free()
         wait_until("writing again", lambda: metric(port2, "hami_usage_log_blocked") == 0, p2)
