@@ -128,16 +128,22 @@ def build(shape: Shape, rows: int, t0: int) -> tuple[list[tuple[str, Event]], in
     return out, usage_rows, heartbeat_rows
 
 
-def bootstrap_address() -> str:
-    """Start the test broker of scripts/kafka.sh if needed; its address."""
+def start_broker(**env: str) -> str:
+    """Start the test broker of scripts/kafka.sh if needed (settings in `env`); what it prints."""
     proc = subprocess.run(
         ["bash", str(REPO / "scripts" / "kafka.sh"), "start"],
         capture_output=True,
         text=True,
         check=True,
         timeout=600,
+        env={**os.environ, **env},
     )
-    return proc.stdout.strip()
+    return proc.stdout
+
+
+def bootstrap_address() -> str:
+    """The plaintext test broker's address, started if needed."""
+    return start_broker().strip()
 
 
 async def produce(

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -37,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_e2e import SETTINGS, Shape, build, ours, produce  # noqa: E402
+from bench_e2e import SETTINGS, Shape, build, ours, produce, start_broker  # noqa: E402
 
 from collector.aggregate.billing import billing_message  # noqa: E402
 from collector.aggregate.service import InputStats, add_record  # noqa: E402
@@ -50,15 +48,8 @@ GOAL_JSON_RATIO = 2.5
 
 
 def secure_broker() -> dict[str, str]:
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "kafka.sh"), "start"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-        env={**os.environ, "KAFKA_SECURE": "1"},
-    )
-    return dict(line.split("=", 1) for line in proc.stdout.splitlines())
+    out = start_broker(KAFKA_SECURE="1")
+    return dict(line.split("=", 1) for line in out.splitlines())
 
 
 def clients(b: dict[str, str]) -> dict[str, tuple[str, dict[str, object]]]:

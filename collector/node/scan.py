@@ -98,15 +98,18 @@ class Scanner:
     def announce(self, host: str, log: str, now_ms: int | None = None) -> list[Event]:
         """The incarnation's first event, `CollectorStarted` (seq 0 when called first), at the
         event time scans use (see clock.py)."""
-        events: list[Event] = []
-        if now_ms is None:
-            self._ts, step = self.clock.now()
-            if step is not None:
-                events.append(self._clock_step(step))
-        else:
-            self._ts = now_ms
+        events = self._event_time(now_ms)
         events.insert(0, self._stamp(CollectorStarted, host=host, pid=os.getpid(), log=log))
         return events
+
+    def _event_time(self, now_ms: int | None) -> list[Event]:
+        """Set the time this call's events carry: `now_ms` (tests), else the clock's, with a
+        `clock_step` anomaly when the wall clock stepped."""
+        if now_ms is not None:
+            self._ts = now_ms
+            return []
+        self._ts, step = self.clock.now()
+        return [] if step is None else [self._clock_step(step)]
 
     def heartbeat_now(self) -> None:
         """Make the next scan send a heartbeat (e.g. after events were dropped)."""
@@ -121,13 +124,7 @@ class Scanner:
         log_blocked: int = 0,
     ) -> list[Event]:
         started = time.perf_counter()
-        events: list[Event] = []
-        if now_ms is None:
-            self._ts, step = self.clock.now()
-            if step is not None:
-                events.append(self._clock_step(step))
-        else:
-            self._ts = now_ms
+        events = self._event_time(now_ms)
         found, skipped = self.discovery.scan()
         skipped_now: set[tuple[str, str, str]] = set()
         self._report_skipped(skipped, skipped_now, events)
