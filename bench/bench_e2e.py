@@ -51,8 +51,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from collector.aggregate.intake import InputStats, add_kafka_records  # noqa: E402
 from collector.aggregate.records import record_order  # noqa: E402
-from collector.aggregate.service import InputStats, add_record  # noqa: E402
 from collector.aggregate.windows import Aggregator, WindowSettings  # noqa: E402
 from collector.events import (  # noqa: E402
     SCHEMA_VERSION,
@@ -233,16 +233,7 @@ async def drive(
                 agg = aggs.get(tp.partition)
                 if agg is None:
                     agg = aggs[tp.partition] = Aggregator(SETTINGS)
-                for m in msgs:
-                    add_record(
-                        agg,
-                        stats,
-                        m.key,
-                        m.value,
-                        source=tp.partition,
-                        offset=m.offset,
-                        record_ts_ms=m.timestamp,
-                    )
+                add_kafka_records(agg, stats, tp.partition, msgs)
                 seen += len(msgs)
                 next_offsets[tp.partition] = msgs[-1].offset + 1
             finished = done(next_offsets)

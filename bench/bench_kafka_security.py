@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_e2e import SETTINGS, Shape, build, ours, produce, start_broker  # noqa: E402
 
 from collector.aggregate.billing import billing_message  # noqa: E402
-from collector.aggregate.service import InputStats, add_record  # noqa: E402
+from collector.aggregate.intake import InputStats, add_record  # noqa: E402
 from collector.aggregate.windows import Aggregator  # noqa: E402
 from collector.events import encode  # noqa: E402
 from collector.transport.security import KafkaSecurity  # noqa: E402

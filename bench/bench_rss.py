@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from collector.aggregate.service import InputStats, add_record  # noqa: E402
+from collector.aggregate.intake import InputStats, add_record  # noqa: E402
 from collector.aggregate.windows import Aggregator, WindowSettings  # noqa: E402
 from collector.events import (  # noqa: E402
     SCHEMA_VERSION,

@@ -17,15 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .aggregate.intake import InputStats, add_record
 from .aggregate.records import BillingRecord, record_order
-from .aggregate.service import (
-    TAIL_SETTLE_S,
-    Checkpoint,
-    InputStats,
-    Outputs,
-    add_record,
-    read_damage,
-)
+from .aggregate.service import TAIL_SETTLE_S, Checkpoint, Outputs, read_damage
 from .aggregate.windows import Aggregator, WindowSettings
 from .transport.consumer import ConsumerSettings, read_range
 from .transport.locallog import LogReader

@@ -45,17 +45,22 @@ class DamageReport:
 
     def see(self, node: str, event: Event) -> None:
         """Every decoded event, in the order of its partition (duplicates included)."""
-        key = (node, event.inc)
-        inc = self._incs.get(key)
-        if inc is None:
-            inc = self._incs[key] = _Incarnation(event.seq)
-        elif event.seq > inc.highest:
-            if event.seq > inc.highest + 1:
-                self.seq_gaps += 1
-                self.seq_missing += event.seq - inc.highest - 1
-            inc.highest = event.seq
+        inc = self.see_seq(node, event.inc, event.seq)
         if isinstance(event, Heartbeat) and event.dropped > inc.dropped:
             inc.dropped = event.dropped
+
+    def see_seq(self, node: str, inc: int, seq: int) -> _Incarnation:
+        """`see` for an event known by its (inc, seq) alone (not a heartbeat)."""
+        key = (node, inc)
+        known = self._incs.get(key)
+        if known is None:
+            known = self._incs[key] = _Incarnation(seq)
+        elif seq > known.highest:
+            if seq > known.highest + 1:
+                self.seq_gaps += 1
+                self.seq_missing += seq - known.highest - 1
+            known.highest = seq
+        return known
 
     @property
     def dropped_by_collectors(self) -> int:

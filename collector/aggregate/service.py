@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from ..events import UnknownSchemaVersion, decode
 from ..transport.locallog import CorruptCheckpointError, LogReader
 from ..transport.security import KafkaSecurity
 from .billing import Format, billing_message
 from .damage import CheckpointError, DamageReport
 from .health import HealthServer, Liveness
+from .intake import InputStats, add_kafka_records, add_record
 from .records import BillingRecord, record_order
 from .sinks import CsvSink, JsonlSink
 from .windows import Aggregator, WindowSettings
@@ -85,16 +85,6 @@ def parse_checkpoint(text: str | None, where: str = "checkpoint") -> Checkpoint:
         return msgspec.json.decode(text, type=Checkpoint)
     except msgspec.DecodeError:
         raise CheckpointError(f"{where}: unreadable metadata {text[:80]!r}") from None
-
-
-@dataclass
-class InputStats:
-    """Input that was read but not aggregated, and damage seen in it: counted and reported,
-    never silent."""
-
-    undecodable: int = 0
-    unknown_schema: int = 0
-    damage: DamageReport = field(default_factory=DamageReport)
 
 
 def _longest(a: list[int] | None, b: list[int]) -> list[int]:
@@ -249,29 +239,6 @@ class AggregateSettings:
     start_from: str | int = "earliest"
     # Checked at start (a warning per difference), when given.
     topics: list[TopicSpec] = field(default_factory=list)
-
-
-def add_record(
-    agg: Aggregator,
-    stats: InputStats,
-    key: bytes | None,
-    value: bytes,
-    *,
-    source: int,
-    offset: int,
-    record_ts_ms: int,
-) -> None:
-    try:
-        event = decode(value)
-    except UnknownSchemaVersion:
-        stats.unknown_schema += 1
-        return
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        stats.undecodable += 1
-        return
-    node = (key or b"").decode("utf-8", "replace")
-    stats.damage.see(node, event)
-    agg.add(node, event, source=source, offset=offset, record_ts_ms=record_ts_ms, raw=value)
 
 
 class DamageWatch:
@@ -557,16 +524,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 agg = aggs.get(tp)
                 if agg is None:
                     continue
-                for m in msgs:
-                    add_record(
-                        agg,
-                        settings.stats,
-                        m.key,
-                        m.value,
-                        source=tp.partition,
-                        offset=m.offset,
-                        record_ts_ms=m.timestamp,
-                    )
+                add_kafka_records(agg, settings.stats, tp.partition, msgs)
                 positions[tp] = msgs[-1].offset + 1
                 clock = max(clock, msgs[-1].timestamp)
             for tp, agg in aggs.items():

@@ -42,7 +42,7 @@ from .nodeguard import NodeConflict, NodeGuard
 from .output import Output
 from .progress import Progress
 from .settings import MAX_TS, NEVER, RETAIN_GAPS, WindowSettings
-from .state import NODE_CID, SUPERSEDE, Packed, Track
+from .state import NODE_CID, SUPERSEDE, Track
 from .stats import AggregateStats
 
 __all__ = ["Aggregator"]
@@ -101,39 +101,21 @@ class Aggregator:
         source: int = 0,
         offset: int = 0,
         record_ts_ms: int | None = None,
-        raw: bytes | None = None,
     ) -> None:
-        """`raw`: the message `event` was decoded from, if at hand: a `UsageSample` then
-        waits for its window as those bytes (`state.Packed`), not as decoded rows."""
-        stats = self.stats
-        stats.events += 1
-        progress = self._progress
-        progress.offset(source, offset)
+        eff = self._admit(node, event.inc, event.seq, event.ts, source, offset, record_ts_ms)
+        if eff is None:
+            return
         ts = event.ts
-        if not 0 <= ts <= MAX_TS:
-            stats.refused_values += 1
-            return
-        if progress.too_far_ahead(node, ts, record_ts_ms):
-            stats.future_events += 1
-            return
         inc = event.inc
         seq = event.seq
-        incs = self._incs
-        if not incs.admit(node, inc, seq, ts):
-            stats.duplicates += 1
-            return
-        if node in incs.several and self._guard.overlaps(node, inc, ts):
-            return
-        progress.event(source, node, ts, record_ts_ms)
         closed = self._closed
-        eff = ts if closed is None or ts >= closed else closed
+        stats = self.stats
         self._arrival += 1
         if isinstance(event, UsageSample):
             tr = self._tracks.get((node, inc, event.cid))
             if tr is None:
                 tr = self._track(node, inc, event.cid, source)
-            payload = event if raw is None else Packed(raw)
-            tr.pending.append((eff, ts, seq, self._arrival, payload, offset))
+            tr.pending.append((eff, ts, seq, self._arrival, event, offset))
         elif isinstance(event, Heartbeat):
             if event.interval_ms > self._gap:
                 self._heartbeat_over_gap(node, event.interval_ms)
@@ -165,6 +147,66 @@ class Aggregator:
         if eff != ts:
             assert closed is not None
             count_late(stats)
+
+    def add_sample(
+        self,
+        node: str,
+        inc: int,
+        seq: int,
+        ts: int,
+        cid: int,
+        raw: bytes,
+        *,
+        source: int = 0,
+        offset: int = 0,
+        record_ts_ms: int | None = None,
+    ) -> None:
+        """`add` for a `UsageSample` given as its message bytes, which `packed.checked` accepted
+        (the header fields are that check's): it waits for its window as those bytes."""
+        eff = self._admit(node, inc, seq, ts, source, offset, record_ts_ms)
+        if eff is None:
+            return
+        tr = self._tracks.get((node, inc, cid))
+        if tr is None:
+            tr = self._track(node, inc, cid, source)
+        self._arrival += 1
+        # a copy only when it is not immutable bytes already (a slice of a reused buffer)
+        payload = raw if type(raw) is bytes else bytes(raw)
+        tr.pending.append((eff, ts, seq, self._arrival, payload, offset))
+        if eff != ts:
+            count_late(self.stats)
+
+    def _admit(
+        self,
+        node: str,
+        inc: int,
+        seq: int,
+        ts: int,
+        source: int,
+        offset: int,
+        record_ts_ms: int | None,
+    ) -> int | None:
+        """Count the event and its offset; None when it is refused, too far ahead, a duplicate
+        or overlapped, else its effective ts (the closed end for a late event)."""
+        stats = self.stats
+        stats.events += 1
+        progress = self._progress
+        progress.offset(source, offset)
+        if not 0 <= ts <= MAX_TS:
+            stats.refused_values += 1
+            return None
+        if progress.too_far_ahead(node, ts, record_ts_ms):
+            stats.future_events += 1
+            return None
+        incs = self._incs
+        if not incs.admit(node, inc, seq, ts):
+            stats.duplicates += 1
+            return None
+        if node in incs.several and self._guard.overlaps(node, inc, ts):
+            return None
+        progress.event(source, node, ts, record_ts_ms)
+        closed = self._closed
+        return ts if closed is None or ts >= closed else closed
 
     def idle(self, now_ms: int) -> None:
         """Record time `now_ms` has come from other traffic: sources silent for longer than

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+from msgspec.structs import astuple
+
 from ...events import (
     MAX_BYTES,
     MAX_PERCENT,
@@ -36,13 +38,14 @@ from ...events import (
     UsageRow,
     UsageSample,
 )
-from . import runs
+from . import packed, runs
 from .integrate import Integrator
 from .settings import NEVER
-from .state import Device, Entry, Packed, Supersede, Track
+from .state import Device, Entry, Supersede, Track
 
 __all__ = [
     "apply",
+    "apply_tuples",
     "row_ok",
     "end_process",
     "forget",
@@ -72,11 +75,11 @@ def apply(ig: Integrator, tr: Track, e: Entry) -> None:
         ig.roll(tr, ws)
     p = e[4]
     off = e[5]
-    if isinstance(p, Packed):
+    if type(p) is bytes:
         tr.alive = True
         tr.last_ts = t
         tr.pres_off = off
-        apply_rows(ig, tr, p.sample().rows, t, off)
+        apply_tuples(ig, tr, packed.rows(p), t, off, True)
     elif isinstance(p, UsageSample):
         tr.alive = True
         tr.last_ts = t
@@ -106,28 +109,34 @@ def apply(ig: Integrator, tr: Track, e: Entry) -> None:
 
 
 def apply_rows(ig: Integrator, tr: Track, rows: list[UsageRow], t: int, off: int) -> None:
-    """Samples at `t` (the hot path: no allocation for a key that is already live)."""
+    """Decoded samples at `t`, each row checked against `row_ok`'s bounds."""
+    apply_tuples(ig, tr, [astuple(r) for r in rows], t, off, False)
+
+
+def apply_tuples(
+    ig: Integrator, tr: Track, rows: list[packed.Row], t: int, off: int, in_bounds: bool
+) -> None:
+    """Samples at `t`, rows as tuples in `UsageRow`'s field order; `in_bounds`: every row is
+    known to pass `row_ok` (`packed.checked` found it so). The hot path: it runs once per usage
+    row, so `row_ok` is inlined and nothing is allocated for a key that is already live."""
     if tr.pod_uid is None:
         ig.stats.unattributed_rows += len(rows)
         return
-    devs = tr.devs
+    device_of = tr.devs.get
     keys = tr.keys
-    exp = t + ig.gap
-    for r in rows:
-        dev = r.device
-        d = devs.get(dev)
+    key_of = keys.get
+    for pid, hostpid, dev, total, _context, _module, _data, mon, sm in rows:
+        d = device_of(dev)
         if d is None or d.uuid is None:
             ig.stats.unattributed_rows += 1
             continue
-        total = r.total
-        mon = r.monitor
-        sm = r.sm_util
-        # `row_ok`, inlined: this loop runs once per usage row
-        if not (0 <= total <= MAX_BYTES and 0 <= mon <= MAX_BYTES and 0 <= sm <= MAX_PERCENT):
+        if not in_bounds and not (
+            0 <= total <= MAX_BYTES and 0 <= mon <= MAX_BYTES and 0 <= sm <= MAX_PERCENT
+        ):
             ig.stats.refused_values += 1
             continue
-        k = (r.pid, r.hostpid, dev)
-        v = keys.get(k)
+        k = (pid, hostpid, dev)
+        v = key_of(k)
         if v is None:
             keys[k] = [total, mon, sm, t, off]
             d.total += total
@@ -135,6 +144,7 @@ def apply_rows(ig: Integrator, tr: Track, rows: list[UsageRow], t: int, off: int
             d.sm += sm
             d.nkeys += 1
             tr.nkeys += 1
+            exp = t + ig.gap
             if exp < tr.next_exp:
                 tr.next_exp = exp
             if tr.expired:

@@ -6,8 +6,6 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Final, TypeAlias
 
-import msgspec
-
 from ...events import (
     ContainerAppeared,
     ContainerGone,
@@ -19,6 +17,7 @@ from ...events import (
     ProcessStarted,
     UsageSample,
 )
+from . import packed
 from .settings import NEVER
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "Device",
     "Entry",
     "Key",
-    "Packed",
     "Payload",
     "RowKey",
     "Supersede",
@@ -42,27 +40,6 @@ __all__ = [
 NODE_CID: Final = -(1 << 64)
 
 
-class Packed:
-    """A `UsageSample` held as the message it came in until its window closes, then decoded
-    again (`sample`). Entries wait `max_skew_ms + lateness_ms` and more before they are applied
-    and stay in the history `HISTORY_GAPS x max_gap_ms` after: as decoded rows (a struct and
-    its integer objects, about 300 bytes a row) they were most of the aggregator's memory;
-    as msgpack they are about 30 bytes a row. The bytes were decoded and validated when they
-    were added, so decoding them again gives the same sample."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw: bytes) -> None:
-        # a copy only when it is not immutable bytes already (a slice of a reused buffer)
-        self.raw = bytes(raw)
-
-    def sample(self) -> UsageSample:
-        return _sample_decoder.decode(self.raw)
-
-
-_sample_decoder: Final = msgspec.msgpack.Decoder(UsageSample)
-
-
 class Supersede:
     """Timeline marker: a newer incarnation of the collector on this node started here."""
 
@@ -71,9 +48,11 @@ class Supersede:
 
 SUPERSEDE: Final = Supersede()
 
+# A UsageSample is held as the message bytes it came in when `packed.checked` accepted them,
+# else decoded.
 Payload: TypeAlias = (
-    UsageSample
-    | Packed
+    bytes
+    | UsageSample
     | ContainerState
     | ContainerAppeared
     | ContainerGone
@@ -95,8 +74,8 @@ effective = itemgetter(0)
 
 
 def unpacked(p: Payload) -> Payload:
-    """The payload with a `Packed` sample decoded."""
-    return p.sample() if isinstance(p, Packed) else p
+    """The payload with a sample held as bytes decoded."""
+    return packed.sample(p) if isinstance(p, bytes) else p
 
 
 # How far back (in max_gap) a track keeps the entries it applied, for the late accounting.

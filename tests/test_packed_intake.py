@@ -1,0 +1,171 @@
+"""The intake's short way for usage samples (`windows.packed`, `intake`) changes no answer: a
+sample is held as its bytes only when every check of the long way would pass, and a stream fed
+through the intake gives the records and counters of the same stream decoded and added."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_windows import Collector, dev, row
+
+from collector.aggregate.intake import InputStats, add_kafka_records, add_record
+from collector.aggregate.records import BillingRecord
+from collector.aggregate.windows import Aggregator, WindowSettings
+from collector.aggregate.windows.apply import row_ok
+from collector.aggregate.windows.packed import checked, rows, sample
+from collector.events import (
+    MAX_BYTES,
+    MAX_PERCENT,
+    SCHEMA_VERSION,
+    Event,
+    UnknownSchemaVersion,
+    UsageRow,
+    UsageSample,
+    decode,
+    encode,
+)
+
+S = WindowSettings()
+T0 = 1_800_000_020_000
+I64 = st.integers(-(1 << 63), (1 << 63) - 1)
+# values near every bound of row_ok, and anywhere in msgpack's integer range
+EDGY = st.one_of(
+    st.sampled_from([-1, 0, 1, MAX_PERCENT, MAX_PERCENT + 1, MAX_BYTES, MAX_BYTES + 1]),
+    st.integers(0, 1 << 40),
+    I64,
+)
+ROWS = st.lists(st.lists(EDGY, min_size=9, max_size=9), max_size=5)
+
+
+def _msg(v: int, rows_: list[list[int]], extra_row_field: bool, extra_field: bool) -> bytes:
+    body: list[Any] = [5, v, 3, 11, T0, 1]
+    body.append([r + [7] if extra_row_field else r for r in rows_])
+    if extra_field:
+        body.append("later")
+    return msgspec.msgpack.encode(body)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    v=st.sampled_from([0, SCHEMA_VERSION, SCHEMA_VERSION + 1]),
+    rows_=ROWS,
+    extra_row_field=st.booleans(),
+    extra_field=st.booleans(),
+)
+def test_checked_accepts_exactly_the_samples_every_row_check_passes(
+    v: int, rows_: list[list[int]], extra_row_field: bool, extra_field: bool
+) -> None:
+    raw = _msg(v, rows_, extra_row_field, extra_field)
+    try:
+        event: Event | None = decode(raw)
+    except (UnknownSchemaVersion, msgspec.ValidationError):
+        event = None
+    try:
+        fast = checked(raw)
+    except msgspec.ValidationError:
+        fast = None
+    if event is None:
+        assert fast is None
+        return
+    assert isinstance(event, UsageSample)
+    every_row_ok = all(row_ok(r) for r in event.rows)
+    assert (fast is not None) == (every_row_ok and not (extra_row_field and rows_))
+    if fast is not None:
+        assert (fast.v, fast.inc, fast.seq, fast.ts, fast.cid) == (
+            event.v,
+            event.inc,
+            event.seq,
+            event.ts,
+            event.cid,
+        )
+        assert rows(raw) == [tuple(msgspec.structs.astuple(r)) for r in event.rows]
+        assert sample(raw) == event
+
+
+Feed = Callable[[Aggregator, InputStats, list[tuple[int, bytes]]], None]
+
+
+def _records(
+    feed: Feed, msgs: list[tuple[int, bytes]]
+) -> tuple[list[BillingRecord], Any, InputStats]:
+    agg = Aggregator(S)
+    stats = InputStats()
+    out: list[BillingRecord] = []
+    for i in range(0, len(msgs), 7):  # batches, with advance() between them like the service
+        feed(agg, stats, msgs[i : i + 7])
+        out += agg.advance()
+    out += agg.flush()
+    return out, msgspec.structs.asdict(agg.stats), stats
+
+
+def _decoded(agg: Aggregator, stats: InputStats, batch: list[tuple[int, bytes]]) -> None:
+    """The long way for every message: decode, then `Aggregator.add`."""
+    for off, raw in batch:
+        try:
+            event = decode(raw)
+        except UnknownSchemaVersion:
+            stats.unknown_schema += 1
+            continue
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            stats.undecodable += 1
+            continue
+        stats.damage.see("n1", event)
+        agg.add("n1", event, offset=off, record_ts_ms=T0 + off * 1000)
+
+
+def _intake(agg: Aggregator, stats: InputStats, batch: list[tuple[int, bytes]]) -> None:
+    for off, raw in batch:
+        add_record(agg, stats, b"n1", raw, source=0, offset=off, record_ts_ms=T0 + off * 1000)
+
+
+class _Record:
+    __slots__ = ("key", "offset", "timestamp", "value")
+
+    def __init__(self, off: int, raw: bytes) -> None:
+        self.key = b"n1"
+        self.offset = off
+        self.timestamp = T0 + off * 1000
+        self.value = raw
+
+
+def _kafka(agg: Aggregator, stats: InputStats, batch: list[tuple[int, bytes]]) -> None:
+    add_kafka_records(agg, stats, 0, [_Record(off, raw) for off, raw in batch])
+
+
+STEP = st.tuples(
+    st.integers(0, 3),  # 0..2: a sample (pid, total, sm), 3: a hostile or broken message
+    st.integers(1, 3),
+    EDGY,
+    st.integers(-1, MAX_PERCENT + 1),
+    st.integers(-30, 5),  # seconds back or forth: late, out of order, duplicates
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(STEP, min_size=1, max_size=60), dup=st.integers(0, 4))
+def test_the_intake_gives_the_records_of_the_decoded_stream(
+    steps: list[tuple[int, int, int, int, int]], dup: int
+) -> None:
+    c = Collector()
+    msgs = [encode(c.appeared(T0, dev(0, limit=8 << 30), dev(1, limit=8 << 30)))]
+    t = T0
+    for kind, pid, total, sm, jump in steps:
+        t = max(T0, t + 1000 + jump * 1000)
+        if kind < 3:
+            msgs.append(encode(c.sample(t, row(pid, total, kind % 2, total // 2, sm))))
+        elif pid == 1:
+            msgs.append(b"\x97\x05\xff")  # a sample's first bytes, then garbage
+        elif pid == 2:
+            msgs.append(encode(c.sample(t, UsageRow(pid, 9, 0, 5, 0, 0, 0, 5, 5))))
+            msgs.append(_msg(SCHEMA_VERSION + 1, [[1, 2, 0, 5, 0, 0, 0, 5, 5]], False, False))
+        else:
+            msgs.append(encode(c.hb(t, row(1, total, 0, 0, sm))))
+    msgs += msgs[dup : dup + 3]  # redelivered
+    stream = list(enumerate(msgs))
+    want = _records(_decoded, stream)
+    assert _records(_intake, stream) == want
+    assert _records(_kafka, stream) == want
