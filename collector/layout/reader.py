@@ -12,6 +12,7 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -372,25 +373,16 @@ class ParseMemo:
     `ProcSnapshot` and anomalies: those objects are reused instead of rebuilt. Reading is never
     skipped: every snapshot still reads and checks every byte it uses. One memo per file; it
     holds the last scan's slots only (at most `MAX_PROCS`).
+
+    While the header is as last scan's the layout is known before anything is read, so the
+    snapshot is taken in four reads (`_snapshot_known`): the tail with the bytes detection
+    probed, the header with the seqlock words before, the slots, the slots again.
     """
 
-    __slots__ = ("header", "slots", "block", "last")
+    __slots__ = ("header", "slots", "block", "last", "past")
 
     def __init__(self) -> None:
-        # (size, header bytes, what detection read beyond the header as (offset, bytes)) ->
-        # (detection, device_num, devices, their anomalies)
-        self.header: (
-            tuple[
-                int,
-                bytes,
-                tuple[tuple[int, bytes], ...],
-                Detection,
-                int,
-                list[DeviceInfo],
-                list[Anomaly],
-            ]
-            | None
-        ) = None
+        self.header: _Header | None = None
         # (tail bytes, the snapshot): returned again when nothing it was made of changed
         self.last: tuple[bytes, Snapshot] | None = None
         # slot -> (the _Short it was parsed with, its bytes, the proc, its anomalies)
@@ -399,6 +391,41 @@ class ParseMemo:
         self.block: (
             tuple[_Short, bytes, list[ProcSnapshot], list[Anomaly], tuple[int, ...]] | None
         ) = None
+        # The slots past proc_num the last snapshot read along (see `snapshot_fd`'s `ahead`):
+        # (proc_num, end slot, first read, second read), or None when it read none.
+        self.past: tuple[int, int, bytes, bytes] | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Header:
+    """What detection and the device table made of a header, and the bytes they read."""
+
+    size: int
+    below: bytes  # the header below the first slot (all that detection and the table read)
+    probes: tuple[tuple[int, bytes], ...]  # what detection read beyond it, as (offset, bytes)
+    found: Detection
+    device_num: int
+    devices: list[DeviceInfo]
+    anomalies: list[Anomaly]  # the device table's
+    # One read of [lo, hi) covers the tail and every probe.
+    lo: int
+    hi: int
+
+
+def _header_memo(
+    size: int,
+    below: bytes,
+    probes: tuple[tuple[int, bytes], ...],
+    found: Detection,
+    device_num: int,
+    devices: list[DeviceInfo],
+    anomalies: list[Anomaly],
+) -> _Header:
+    layout = found.layout
+    assert layout is not None
+    lo = min([layout.proc_num, *(off for off, _ in probes)])
+    hi = max([layout.region_size, *(off + len(was) for off, was in probes)])
+    return _Header(size, below, probes, found, device_num, devices, anomalies, lo, hi)
 
 
 def snapshot_fd(
@@ -408,11 +435,14 @@ def snapshot_fd(
     retries: int = DEFAULT_RETRIES,
     memo: ParseMemo | None = None,
     st: os.stat_result | None = None,
+    ahead: Callable[[int], int] | None = None,
 ) -> Snapshot:
     """Snapshot of an open, read-only descriptor. Never raises for file content.
 
     `st`: the descriptor's `fstat` when the caller has just taken it (the collector, which
-    checks the file it keeps open on each scan); `memo`: see `ParseMemo`."""
+    checks the file it keeps open on each scan); `memo`: see `ParseMemo`. `ahead`: for a
+    proc_num, the slot up to which to read along past it (the writer-fault checks look there;
+    reading them with the slots saves those reads), left in `memo.past`."""
     f = _File(fd)
     if st is None:
         try:
@@ -423,19 +453,31 @@ def snapshot_fd(
     if not stat.S_ISREG(st.st_mode):
         return empty_snapshot(path, 0, [Anomaly("unreadable", "not a regular file")])
     size = st.st_size
-    header = f.read_at(0, HEADER_BYTES)
     known = memo.header if memo is not None else None
+    if known is not None and known.size == size:
+        assert memo is not None
+        snap = _snapshot_known(fd, path, size, memo, known, ahead)
+        if snap is not None:
+            return snap
+    if memo is not None:
+        memo.past = None
+    header = f.read_at(0, HEADER_BYTES)
     header_hit = (
         known is not None
-        and known[0] == size
-        and header.startswith(known[1])
-        and all(f.read_at(off, len(was)) == was for off, was in known[2])
+        and known.size == size
+        and header.startswith(known.below)
+        and all(f.read_at(off, len(was)) == was for off, was in known.probes)
     )
     if header_hit:
         # The same size, header and probed bytes as last scan: detection and the device
         # table are pure functions of them.
         assert known is not None
-        _, _, _, found, device_num, devices, device_anomalies = known
+        found, device_num, devices, device_anomalies = (
+            known.found,
+            known.device_num,
+            known.devices,
+            known.anomalies,
+        )
         layout = found.layout
         assert layout is not None
         anomalies = list(found.anomalies)
@@ -465,17 +507,10 @@ def snapshot_fd(
         padded = header.ljust(HEADER_BYTES, b"\0")
         device_num, devices, device_anomalies = _devices(_codec(layout), layout, padded)
         if memo is not None:
-            memo.header = (
-                size,
-                # Detection and the device table read the header only below `procs` (the
-                # rest of HEADER_BYTES is the first slot's, which changes all the time).
-                header[: layout.procs],
-                tuple(probes),
-                found,
-                device_num,
-                devices,
-                device_anomalies,
-            )
+            # Detection and the device table read the header only below `procs` (the rest
+            # of HEADER_BYTES is the first slot's, which changes all the time).
+            memo.header = _header_memo(size, header[: layout.procs], tuple(probes), found,
+                                       device_num, devices, device_anomalies)  # fmt: skip
     if size < layout.region_size:
         anomalies.append(
             Anomaly("truncated", f"{size} bytes, {layout.name} needs {layout.region_size}")
@@ -535,6 +570,96 @@ def snapshot_fd(
     _check_limits(devices, live_used, anomalies)
     return _snapshot(path, size, layout, found, device_num, devices, proc_num, procs,
                      tail_fields, last_kernel_time, anomalies)  # fmt: skip
+
+
+def _pread(fd: int, length: int, offset: int) -> bytes:
+    try:
+        return os.pread(fd, length, offset)
+    except OSError:
+        return b""
+
+
+_TAIL = struct.Struct("<iiii")  # proc_num, utilization_switch, recent_kernel, priority
+_U64 = struct.Struct("<Q")
+
+
+def _snapshot_known(
+    fd: int,
+    path: str,
+    size: int,
+    memo: ParseMemo,
+    known: _Header,
+    ahead: Callable[[int], int] | None,
+) -> Snapshot | None:
+    """The snapshot of a file whose size is last scan's, in four reads while its header and
+    the bytes detection probed are last scan's too and its slots below proc_num read clean
+    (else None, and the caller takes the general path, reading everything again).
+
+    The same protocol as the general path, in fewer reads: proc_num is read before the slots
+    (a writer fills a slot before it counts it); the seqlock words are read before the slots
+    and again after them, each in a read of its own (with the header in the first), so the
+    three reads are ordered; the reads of the slots run on past proc_num to `ahead(proc_num)`
+    for the writer-fault checks."""
+    layout = known.found.layout
+    assert layout is not None
+    lo = known.lo
+    window = _pread(fd, known.hi - lo, lo)
+    for off, was in known.probes:
+        if window[off - lo : off - lo + len(was)] != was:
+            return None
+    at = layout.proc_num - lo
+    tail = window[at : at + layout.region_size - layout.proc_num]
+    if len(tail) < _TAIL.size:
+        return None
+    proc_num, utilization_switch, recent_kernel, priority = _TAIL.unpack_from(tail, 0)
+    if not 0 <= proc_num <= MAX_PROCS:
+        return None
+    slot_size, start, seq = layout.slot_size, layout.procs, layout.slot_seqlock
+    n = proc_num * slot_size
+    end = proc_num if ahead is None else max(proc_num, min(ahead(proc_num), MAX_PROCS))
+    m = end * slot_size
+    if seq is not None:
+        # seq (read r0, with the header) -> slots (r1) -> seq (r2), each a separate read.
+        before = _pread(fd, max(HEADER_BYTES, start + n), 0)
+        data = _pread(fd, m, start)
+        after = _pread(fd, m, start)
+        clean = before[start : start + n] == after[:n] and (
+            1 not in before[start + seq : start + n : slot_size].translate(_LOW_BIT)
+        )
+        header = before
+    else:
+        # Without a seqlock two reads of the slots must agree: the header comes with the first.
+        header = _pread(fd, max(HEADER_BYTES, start + m), 0)
+        data = header[start : start + m]
+        after = _pread(fd, m, start)
+        clean = data[:n] == after[:n]
+    if len(data) < n or len(after) < n or not clean or not header.startswith(known.below):
+        return None
+    block = data[:n]
+    memo.past = (proc_num, end, data[n:], after[n:])
+    same = memo.block is not None and memo.block[1] == block
+    anomalies = list(known.found.anomalies)
+    if size < layout.region_size:
+        anomalies.append(
+            Anomaly("truncated", f"{size} bytes, {layout.name} needs {layout.region_size}")
+        )
+    anomalies += known.anomalies
+    procs, live_used = _parse_block(
+        memo, _codec(layout), layout, min(known.device_num, MAX_DEVICES), block, anomalies
+    )
+    last = memo.last
+    if same and last is not None and last[0] == tail and last[1].path == path:
+        return last[1]  # every byte the snapshot is made of is as last scan
+    last_kernel_time: int | None = None
+    lkt = layout.last_kernel_time
+    if lkt is not None and len(tail) >= lkt - layout.proc_num + 8:
+        (last_kernel_time,) = _U64.unpack_from(tail, lkt - layout.proc_num)
+    _check_limits(known.devices, live_used, anomalies)
+    snap = _snapshot(path, size, layout, known.found, known.device_num, known.devices, proc_num,
+                     procs, (priority, utilization_switch, recent_kernel), last_kernel_time,
+                     anomalies)  # fmt: skip
+    memo.last = (tail, snap)
+    return snap
 
 
 def _snapshot(

@@ -33,11 +33,15 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO named *.cache must not hang the open; O_NOCTTY: nor a tty become ours.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 SYMLINK = "a symlink: never followed below the root"
+# A change within the filesystem's timestamp granularity can leave a folder's times as they
+# were: a stamp newer than this proves nothing.
+TIMESTAMP_WINDOW_NS = 2_000_000_000
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,16 @@ class ListingLimits:
 FD_RESERVE = 256
 
 
-@dataclass(frozen=True)
-class Opened:
+class Opened(NamedTuple):
     """A cache file's read-only descriptor, as `Discovery.open` hands it out."""
 
     fd: int
     st: os.stat_result  # taken this scan: the file the descriptor reads
     kept: bool  # held across scans by Discovery; otherwise the caller closes it
+
+
+# A kept file: fd, dev, ino, and the stamp its folder had when its name was last checked.
+_KeptFile = tuple[int, int, int, "tuple[int, int] | None"]
 
 
 @dataclass
@@ -93,7 +100,10 @@ class _Held:
     fd: int
     dev: int
     ino: int
-    files: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # name -> fd, dev, ino
+    files: dict[str, _KeptFile] = field(default_factory=dict)
+    # (mtime_ns, ctime_ns) of the folder as this scan's listing of the root found it, when its
+    # ctime was then older than TIMESTAMP_WINDOW_NS; None otherwise.
+    stamp: tuple[int, int] | None = None
 
 
 @dataclass
@@ -122,6 +132,7 @@ class Discovery:
         self._held: dict[str, _Held] = {}  # container directory name -> what is kept in it
         self._open_count = 0  # descriptors in _held
         self._listed_before: dict[str, _Dir] = {}
+        self._paths: dict[str, str] = {}  # name in the root -> its path
         self.max_open = _fd_bound(self.limits.open_files)
 
     def close(self) -> None:
@@ -154,23 +165,38 @@ class Discovery:
         dirs: list[tuple[str, str, int]] = []  # (name, path, mtime_ns) of container directories
         held = self._held
         still: set[str] = set()  # kept directories that are still the same directory
+        paths, root, root_fd = self._paths, self.root, self._root_fd
+        old = time.time_ns() - TIMESTAMP_WINDOW_NS
         for entry in entries:
-            path = os.path.join(self.root, entry.name)
+            name = entry.name
+            path = paths.get(name)
+            if path is None:
+                path = paths[name] = os.path.join(root, name)
+            h = held.get(name)
             try:
-                st = os.stat(entry.name, dir_fd=self._root_fd, follow_symlinks=False)
+                if h is not None and entry.inode() == h.ino and entry.is_dir(follow_symlinks=False):
+                    # The listing names the kept folder's inode, as a folder: its times are
+                    # those of the kept descriptor (no lookup of the name).
+                    st = os.fstat(h.fd)
+                else:
+                    st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
             except OSError:
                 continue  # vanished between the listing and the stat
             if stat.S_ISLNK(st.st_mode):
                 skipped.append(Skipped(path, SYMLINK))
             elif not stat.S_ISDIR(st.st_mode):
                 continue
-            elif "_" not in entry.name:
+            elif "_" not in name:
                 skipped.append(Skipped(path, "directory name has no '_' (podUID_container)"))
             else:
-                dirs.append((entry.name, path, st.st_mtime_ns))
-                h = held.get(entry.name)
-                if h is not None and h.ino == st.st_ino and h.dev == st.st_dev:
-                    still.add(entry.name)
+                dirs.append((name, path, st.st_mtime_ns))
+                # (a folder removed has no links: its inode number may already be another's)
+                if h is not None and h.ino == st.st_ino and h.dev == st.st_dev and st.st_nlink:
+                    still.add(name)
+                    ctime = st.st_ctime_ns
+                    h.stamp = (st.st_mtime_ns, ctime) if ctime < old else None
+        if len(paths) > 2 * len(entries) + 64:
+            self._paths = {e.name: paths[e.name] for e in entries if e.name in paths}
         for name in [n for n in held if n not in still]:
             self._drop_dir(name)  # gone, replaced, or a symlink now
         listings = self.stats.listings
@@ -287,8 +313,16 @@ class Discovery:
         h = self._held.get(dir_name)
         kept = h.files.get(name) if h is not None else None
         if h is not None and kept is not None:
+            stamp = h.stamp
             try:
-                st = os.stat(name, dir_fd=h.fd, follow_symlinks=False)
+                if stamp is not None and kept[3] == stamp:
+                    # Nothing in the folder was created, removed or renamed since the name was
+                    # last checked (its times are as then, and were old enough to change with
+                    # any change): the name is still the kept file. The file's own `fstat`
+                    # gives its links and size.
+                    st = os.fstat(kept[0])
+                else:
+                    st = os.stat(name, dir_fd=h.fd, follow_symlinks=False)
             except OSError:
                 self._drop_file(h, name)
                 raise
@@ -296,6 +330,8 @@ class Discovery:
                 if st.st_nlink > 1:
                     self._drop_file(h, name)
                     return _hard_linked(f.path, st.st_nlink)
+                if kept[3] != stamp:
+                    h.files[name] = (kept[0], kept[1], kept[2], stamp)
                 return Opened(kept[0], st, True)
             self._drop_file(h, name)  # replaced: open what the name is now
         try:
@@ -323,7 +359,7 @@ class Discovery:
             return _hard_linked(f.path, st.st_nlink)
         h = self._held.get(dir_name)
         if h is not None and stat.S_ISREG(st.st_mode) and self._open_count < self.max_open:
-            h.files[name] = (fd, st.st_dev, st.st_ino)
+            h.files[name] = (fd, st.st_dev, st.st_ino, None)
             self._open_count += 1
             return Opened(fd, st, True)
         return Opened(fd, st, False)
@@ -355,7 +391,7 @@ class Discovery:
 
     def _drop_dir(self, name: str) -> None:
         h = self._held.pop(name)
-        for fd, _, _ in h.files.values():
+        for fd, _, _, _ in h.files.values():
             os.close(fd)
         os.close(h.fd)
         self._open_count -= 1 + len(h.files)

@@ -232,8 +232,12 @@ class Scanner:
             memo = self._memos[key] = ParseMemo()
         fd = opened.fd
         try:
-            snap = snapshot_fd(fd, f.path, memo=memo, st=opened.st)
-            return self.writer_faults.check(key, fd, snap, time.monotonic())
+            if memo is None:
+                snap = snapshot_fd(fd, f.path, st=opened.st)
+                return self.writer_faults.check(key, fd, snap, time.monotonic())
+            faults = self.writer_faults
+            snap = snapshot_fd(fd, f.path, memo=memo, st=opened.st, ahead=faults.ahead(key))
+            return faults.check(key, fd, snap, time.monotonic(), memo.past)
         finally:
             if not opened.kept:
                 os.close(fd)

@@ -21,7 +21,7 @@ Nothing here writes to the file; every read is a `pread` of the descriptor the s
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -56,6 +56,14 @@ class _Watch:
     writers: dict[int, tuple[int, int]] = field(default_factory=dict)
     high: int = 0  # the highest proc_num seen
     unique: list[ProcSnapshot] = field(default_factory=list)  # procs that held no duplicate
+    # What a check that found nothing and changed nothing was given: (layout, proc_num, the
+    # procs object, the anomalies, the bytes past proc_num). The same again finds nothing again.
+    quiet: tuple[str, int, list[ProcSnapshot], list[Anomaly], bytes] | None = None
+
+    def end(self, proc_num: int) -> int:
+        """The slot up to which `_beyond` first reads past `proc_num`."""
+        n = min(max(proc_num, 0), MAX_PROCS)
+        return min(max(n + BEYOND, self.high), n + REACH, MAX_PROCS)
 
 
 class WriterFaults:
@@ -68,21 +76,60 @@ class WriterFaults:
         wanted = set(keys)
         self._files = {k: w for k, w in self._files.items() if k in wanted}
 
-    def check(self, key: FileKey, fd: int, snap: Snapshot, now_s: float) -> Snapshot:
+    def ahead(self, key: FileKey) -> Callable[[int], int]:
+        """For the reader (`snapshot_fd`'s `ahead`): how far past proc_num this file's check
+        will read, so the reader can read those slots along with its own."""
+        w = self._files.get(key)
+        if w is None:
+            w = self._files[key] = _Watch()
+        return w.end
+
+    def check(
+        self,
+        key: FileKey,
+        fd: int,
+        snap: Snapshot,
+        now_s: float,
+        past: tuple[int, int, bytes, bytes] | None = None,
+    ) -> Snapshot:
+        """`past`: (proc_num, end slot, two reads of the slots [proc_num, end)) when the reader
+        read them along (`ParseMemo.past`), used instead of reading them again."""
         layout = LAYOUTS.get(snap.layout or "")
         if layout is None:
             return snap
-        w = self._files.setdefault(key, _Watch())
+        w = self._files.get(key)
+        if w is None:
+            w = self._files[key] = _Watch()
+        n = snap.proc_num
+        if past is not None and (past[0] != n or past[1] != w.end(n)):
+            past = None
+        q = w.quiet
+        if (
+            q is not None
+            and past is not None
+            and q[2] is snap.procs
+            and q[1] == n
+            and q[0] == layout.name
+            and past[2] == past[3] == q[4]
+            and q[3] == snap.anomalies
+        ):
+            # Every input of the checks below is as in a check that found nothing, took no
+            # slot and left its state as it was: they would do the same again.
+            return snap
+        w.quiet = None
         procs = list(snap.procs)
         anomalies = list(snap.anomalies)
         self._stuck(w, fd, layout, snap.device_num, procs, anomalies, now_s)
         self._shared(w, snap, procs, anomalies)
-        self._beyond(w, fd, layout, snap, procs, anomalies)
+        stable = self._beyond(w, fd, layout, snap, procs, anomalies, past)
         if procs != w.unique:  # the same procs as a scan that found no duplicate: none now
             _duplicates(fd, layout, procs, anomalies)
             if procs == snap.procs and anomalies == snap.anomalies:
                 w.unique = snap.procs
         if procs == snap.procs and anomalies == snap.anomalies:
+            torn = any(a.kind == "torn_read" for a in anomalies)
+            if stable is not None and not (w.stuck or w.writers or w.orphans or torn):
+                w.quiet = (layout.name, n, snap.procs, snap.anomalies, stable)
             return snap
         procs.sort(key=lambda p: p.slot)
         return msgspec.structs.replace(snap, procs=procs, anomalies=anomalies)
@@ -164,27 +211,40 @@ class WriterFaults:
         snap: Snapshot,
         procs: list[ProcSnapshot],
         anomalies: list[Anomaly],
-    ) -> None:
+        past: tuple[int, int, bytes, bytes] | None = None,
+    ) -> bytes | None:
+        """Returns the bytes past proc_num when both reads of them agreed (None otherwise)."""
         n = min(max(snap.proc_num, 0), MAX_PROCS)
         below: dict[tuple[int, int], bytes] = {}
         seen: dict[int, bytes] = {}
+        end = w.end(n)
         w.high = max(w.high, n)
-        end = min(max(n + BEYOND, w.high), n + REACH, MAX_PROCS)
         size = layout.slot_size
-        # One read of the range, and a second to tell a slot being written from a steady one.
-        first = _pread(fd, layout.slot_offset(n), (end - n) * size)
-        # proc_num can rise and fall again between two scans (processes added, then holes
-        # compacted), leaving movers past the highest proc_num a scan saw: read on while the
-        # last slot read was ever written (slots never used are zero).
         limit = min(n + REACH, MAX_PROCS)
-        while end < limit and len(first) == (end - n) * size and first[-size:].count(0) != size:
-            more = min(end + BEYOND, limit)
-            first += _pread(fd, layout.slot_offset(end), (more - end) * size)
-            end = more
+
+        def more_to_read(first: bytes) -> bool:
+            # proc_num can rise and fall again between two scans (processes added, then
+            # holes compacted), leaving movers past the highest proc_num a scan saw: read on
+            # while the last slot read was ever written (slots never used are zero).
+            return end < limit and len(first) == (end - n) * size and first[-size:].count(0) != size
+
+        if past is not None and past[0] == n and past[1] == end and not more_to_read(past[2]):
+            # The reader's two reads of the slots, made after the snapshot's: the same pair.
+            first, second = past[2], past[3][: len(past[2])]
+        else:
+            # One read of the range, and a second to tell a slot being written from a steady
+            # one.
+            first = _pread(fd, layout.slot_offset(n), (end - n) * size)
+            while more_to_read(first):
+                more = min(end + BEYOND, limit)
+                first += _pread(fd, layout.slot_offset(end), (more - end) * size)
+                end = more
+            second = b""
         if first.count(0) == len(first):
             w.beyond, w.orphans = {}, set()
-            return  # nothing ever written past proc_num: the usual case
-        second = _pread(fd, layout.slot_offset(n), len(first))
+            return first if first == second else None  # nothing ever written past proc_num
+        if not second:
+            second = _pread(fd, layout.slot_offset(n), len(first))
         for k in range(n, n + len(first) // size):
             lo = (k - n) * size
             raw = first[lo : lo + size]
@@ -238,6 +298,7 @@ class WriterFaults:
         w.beyond = seen
         w.below = {**w.below, **below}
         w.orphans &= seen.keys()
+        return first if first == second else None
 
 
 def _duplicates(

@@ -1,0 +1,257 @@
+"""The collector's reads of a file it already knows: fewer system calls, the same answers.
+
+* A snapshot through a `ParseMemo` whose header is last scan's takes four reads (three without
+  a seqlock), reads the slots past proc_num along for the writer-fault checks, and still equals
+  a fresh `read_snapshot` after any writer or hostile step (the property of test_parse_memo,
+  with the slots past proc_num read along and compared with reads of their own).
+* The writer-fault checks given those bytes answer as when they read them themselves: a
+  Scanner that reuses and one that reads everything give the same events on a node with every
+  writer fault, scan after scan.
+* A kept file in a folder that has not changed is checked with `fstat` of its descriptor
+  instead of a lookup of its name; a file replaced, relinked or swapped for a symlink there, or
+  the folder replaced, is still caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from test_parse_memo import GPUS, apply, steps
+
+from collector.events import (
+    ContainerAppeared,
+    ContainerGone,
+    Event,
+    Heartbeat,
+    LayoutAnomaly,
+    LimitsChanged,
+    UsageSample,
+)
+from collector.layout.declarations import LAYOUTS, V0A, V12
+from collector.layout.reader import ParseMemo, read_snapshot, snapshot_fd
+from collector.layout.snapshot import Snapshot
+from collector.node import discover
+from collector.node.scan import Scanner
+from collector.simulate import CacheWriter, GiB, MiB, SimDevice
+from collector.simulate_faults import FAULTS, FaultyNode
+
+POD = "0f4e8a52-7d3c-4b8e-9a51-3c2d1e0f9a88"
+GPU0 = "GPU-11111111-2222-4333-8444-555555555555"
+OLD = 1_600_000_000
+WINDOW_S = 0.2  # the timestamp window, shortened for these tests
+
+
+def ahead(n: int) -> int:
+    return n + 3
+
+
+def check_past(memo: ParseMemo, snap: Snapshot, rfd: int) -> None:
+    """`memo.past` holds what reads of the slots past proc_num give, in the layout detected
+    (a poked header can turn the file into another)."""
+    if memo.past is None:
+        return
+    n, end, first, second = memo.past
+    assert n == snap.proc_num and end == min(n + 3, 1024)
+    read = LAYOUTS[snap.layout or ""]
+    want = os.pread(rfd, (end - n) * read.slot_size, read.slot_offset(n))
+    assert first == want and second == want
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(history=steps)
+def test_the_known_file_path_equals_a_fresh_read(
+    tmp_path: Path, name: str, history: list[tuple[object, ...]]
+) -> None:
+    path = tmp_path / f"{name}.cache"
+    path.unlink(missing_ok=True)
+    w = CacheWriter(path, LAYOUTS[name], GPUS)
+    for pid in (100, 101, 102, 103):
+        w.add_process(pid, 4000 + pid)
+        w.add_memory(pid, 0, "context", 300 * MiB)
+    memo = ParseMemo()
+    with contextlib.ExitStack() as stack:
+        stack.callback(w.close)
+        fds = [os.open(path, flags) for flags in (os.O_RDWR, os.O_RDONLY)]
+        for fd in fds:
+            stack.callback(os.close, fd)
+        wfd, rfd = fds
+        for step in [None, *history]:
+            if step is not None:
+                with contextlib.suppress(IndexError, KeyError, RuntimeError, ValueError):
+                    apply(w, LAYOUTS[name], step, wfd)
+            for _ in range(2):  # the second read finds nothing changed
+                snap = snapshot_fd(rfd, str(path), memo=memo, ahead=ahead)
+                assert snap == read_snapshot(path), step
+                check_past(memo, snap, rfd)
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = {"pread": 0, "fstat": 0, "stat": 0}
+    real_pread, real_fstat, real_stat = os.pread, os.fstat, os.stat
+
+    def pread(fd: int, n: int, off: int) -> bytes:
+        calls["pread"] += 1
+        return real_pread(fd, n, off)
+
+    def fstat(fd: int) -> Any:
+        calls["fstat"] += 1
+        return real_fstat(fd)
+
+    def stat(*a: Any, **kw: Any) -> Any:
+        calls["stat"] += 1
+        return real_stat(*a, **kw)
+
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "fstat", fstat)
+    monkeypatch.setattr(os, "stat", stat)
+    return calls
+
+
+@pytest.mark.parametrize(("layout", "preads"), [(V12, 4), (V0A, 3)], ids=["v1.2", "v0a"])
+def test_a_known_file_takes_two_fstats_and_four_reads_or_three_without_seqlock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: Any, preads: int
+) -> None:
+    monkeypatch.setattr(discover, "TIMESTAMP_WINDOW_NS", int(WINDOW_S * 1e9))
+    d = tmp_path / f"{POD}_main"
+    d.mkdir()
+    w = CacheWriter(d / "a.cache", layout, [SimDevice(GPU0, GiB)])
+    w.add_process(7, 4007)
+    w.add_memory(7, 0, "data", 64 * MiB)
+    os.utime(d, (OLD, OLD))
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    s.scan(now_ms=1000)
+    time.sleep(WINDOW_S + 0.05)
+    s.scan(now_ms=2000)  # the name checked once more, now that the folder is old enough
+    calls = count_reads(monkeypatch)
+    w.kernel_launched(time.time() + 5)  # the tail moves, as on a busy GPU
+    assert s.scan(now_ms=3000) == []
+    # The folder and the file by their kept descriptors: no lookup by name. The tail (with
+    # what detection probed), then the header with the seqlock words, the slots, the slots
+    # again (without a seqlock: the header with the slots, the slots again).
+    assert calls == {"pread": preads, "fstat": 2, "stat": 0}
+    w.add_memory(7, 0, "data", MiB)
+    (sample,) = s.scan(now_ms=4000)
+    assert isinstance(sample, UsageSample) and sample.rows[0].data == 65 * MiB
+    w.close()
+
+
+def timeless(e: Event) -> Event:
+    """Without the scan's duration and how long a stuck seqlock was seen (the two scanners read
+    at different moments)."""
+    if isinstance(e, Heartbeat):
+        return msgspec.structs.replace(e, scan_ms=0.0)
+    if isinstance(e, LayoutAnomaly) and e.anomaly == "stuck_seqlock":
+        return msgspec.structs.replace(e, detail=re.sub(r"since \S+ s", "since - s", e.detail))
+    return e
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_writer_fault_checks_on_bytes_read_along_give_the_same_events(
+    tmp_path: Path, seed: int
+) -> None:
+    node = FaultyNode(tmp_path, 12, "mixed", faults=FAULTS, seed=seed, procs_per_container=3)
+    reusing = Scanner(tmp_path, heartbeat_s=5, inc=1)
+    fresh = Scanner(tmp_path, heartbeat_s=5, inc=1, reuse=False)
+    try:
+        for n in range(40):
+            if n % 3 != 2:
+                node.step(1_700_000_000 + n)
+            now = 1_700_000_000_000 + n * 1000
+            a = [timeless(e) for e in reusing.scan(now_ms=now)]
+            b = [timeless(e) for e in fresh.scan(now_ms=now)]
+            assert a == b, n
+    finally:
+        node.close()
+
+
+def limits(events: list[Event]) -> list[int]:
+    return [d.limit_bytes for e in events if isinstance(e, LimitsChanged) for d in e.devices]
+
+
+def container(root: Path) -> tuple[Path, CacheWriter]:
+    d = root / f"{POD}_main"
+    d.mkdir()
+    w = CacheWriter(d / "a.cache", V12, [SimDevice(GPU0, GiB)])
+    w.add_process(7, 4007)
+    os.utime(d, (OLD, OLD))
+    return d / "a.cache", w
+
+
+def settled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, CacheWriter, Scanner]:
+    """A container whose folder is older than the timestamp window, scanned until its file is
+    checked by descriptor only."""
+    monkeypatch.setattr(discover, "TIMESTAMP_WINDOW_NS", int(WINDOW_S * 1e9))
+    path, w = container(tmp_path)
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    s.scan(now_ms=1000)
+    time.sleep(WINDOW_S + 0.05)
+    s.scan(now_ms=2000)
+    h = s.discovery._held[path.parent.name]
+    assert h.stamp is not None and h.files[path.name][3] == h.stamp  # by descriptor from now on
+    return path, w, s
+
+
+def test_a_file_replaced_in_a_settled_folder_is_reopened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, w, s = settled(tmp_path, monkeypatch)
+    new = path.with_name("new.tmp")
+    w2 = CacheWriter(new, V12, [SimDevice(GPU0, 2 * GiB)])
+    w2.add_process(7, 4007)
+    os.replace(new, path)
+    os.utime(path.parent, (OLD, OLD))  # the mtime put back: the ctime still moved
+    assert limits(s.scan(now_ms=3000)) == [2 * GiB]  # read from the new file
+    w.close()
+    w2.close()
+
+
+@pytest.mark.parametrize("change", ["hard link elsewhere", "symlink"])
+def test_a_file_in_a_settled_folder_that_gains_a_link_or_becomes_a_symlink_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    path, w, s = settled(tmp_path, monkeypatch)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.cache"
+    w2 = CacheWriter(outside, V12, [SimDevice(GPU0, 3 * GiB)])
+    if change == "symlink":
+        path.unlink()
+        path.symlink_to(outside)
+        os.utime(path.parent, (OLD, OLD))  # the mtime put back: the ctime still moved
+        reason = discover.SYMLINK
+    else:
+        os.link(path, tmp_path / "elsewhere")  # the folder itself does not change
+        reason = "a hard-linked file (2 links): not read"
+    events = s.scan(now_ms=3000)
+    assert limits(events) == []  # the file outside never read
+    assert [(e.path, e.detail) for e in events if isinstance(e, LayoutAnomaly)] == [
+        (str(path), reason)
+    ]
+    w.close()
+    w2.close()
+    outside.unlink()
+
+
+def test_a_settled_folder_replaced_by_another_is_reopened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, w, s = settled(tmp_path, monkeypatch)
+    w.close()
+    os.rename(path.parent, tmp_path / "old")
+    path.parent.mkdir()
+    w2 = CacheWriter(path, V12, [SimDevice(GPU0, 3 * GiB)])
+    w2.add_process(7, 4007)
+    events = s.scan(now_ms=3000)
+    (appeared,) = [e for e in events if isinstance(e, ContainerAppeared)]
+    assert [d.limit_bytes for d in appeared.devices] == [3 * GiB]  # the new folder's file
+    assert ContainerGone in [type(e) for e in events]
+    w2.close()
