@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "kafka.sh"
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "kafka.sh"
 # Generous: the very first start may download the jars from Maven Central.
 _TIMEOUT_S = 600
 
@@ -46,6 +50,10 @@ def stop_broker() -> None:
     _run("stop")
 
 
+def shared_home() -> Path:
+    return Path(os.environ.get("KAFKA_HOME", REPO / ".kafka"))
+
+
 def bootstrap() -> str:
     """Bootstrap address of a running, ready broker (started here if needed)."""
     return start_broker()
@@ -76,3 +84,58 @@ def secure_broker() -> SecureBroker:
         Path(fields["certs"]),
         Path(fields["secrets"]),
     )
+
+
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now (held together while picked, so never the same one twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass(frozen=True)
+class PrivateBroker:
+    """A broker of scripts/kafka.sh that only one test uses: its own home and ports, so the
+    test may stop and start it without taking the shared broker away from tests running in
+    parallel (other sessions on the same machine, whose clients would fail meanwhile)."""
+
+    home: Path
+    port: int
+    controller_port: int
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _env(self) -> dict[str, str]:
+        return {
+            "KAFKA_HOME": str(self.home),
+            "KAFKA_PORT": str(self.port),
+            "KAFKA_CONTROLLER_PORT": str(self.controller_port),
+            "KAFKA_SECURE": "0",
+        }
+
+    def start(self) -> str:
+        return _run("start", self._env())
+
+    def stop(self) -> None:
+        _run("stop", self._env())
+
+
+@contextmanager
+def private_broker(home: Path) -> Iterator[PrivateBroker]:
+    """A started PrivateBroker under `home` (stopped on exit). It uses the shared home's jars
+    (a link, so nothing is fetched twice): start the shared broker first, which installs them."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "libs").symlink_to(shared_home().resolve() / "libs", target_is_directory=True)
+    broker = PrivateBroker(home, *_free_ports(2))
+    try:
+        assert broker.start() == broker.bootstrap
+        yield broker
+    finally:
+        broker.stop()

@@ -378,12 +378,27 @@ def write_local_log(directory: Path, msgs: Iterable[Msg]) -> int:
 
 
 async def create_topic(bootstrap: str, topic: str, partitions: int = 3) -> None:
+    """Create `topic` and return once the broker's metadata shows every partition with a
+    leader. The broker answers CreateTopics before its metadata has the topic (at once on an
+    idle machine, seconds later under load), and a producer asking meanwhile is told that the
+    topic does not exist and holds its records back until it does."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import RequestTimedOutError, for_code
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(topic, partitions, 1)])
+        response = await admin.create_topics([NewTopic(topic, partitions, 1)])
+        for name, code, *_ in response.topic_errors:
+            # Timed out = not done within the request's timeout; it goes on, and is awaited below.
+            assert code == 0 or for_code(code) is RequestTimedOutError, (name, for_code(code))
+        async with asyncio.timeout(120):
+            while True:
+                (found,) = await admin.describe_topics([topic])
+                led = [p for p in found["partitions"] if p["error_code"] == 0 and p["leader"] >= 0]
+                if found["error_code"] == 0 and len(led) == partitions:
+                    return
+                await asyncio.sleep(0.1)
     finally:
         await admin.close()
 

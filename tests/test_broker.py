@@ -11,7 +11,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import OffsetAndMetadata, OffsetAndTimestamp, TopicPartition
-from broker import start_broker, stop_broker
+from broker import PrivateBroker
 
 from collector.aggregate.service import committed_offsets
 
@@ -182,7 +182,11 @@ async def test_commit_metadata(kafka_bootstrap: str, kafka_topic: str) -> None:
     assert await committed_with_metadata(kafka_bootstrap, group, tp) == OffsetAndMetadata(4, meta)
 
 
-async def test_restart_keeps_topics_and_offsets(kafka_bootstrap: str, kafka_topic: str) -> None:
+async def test_restart_keeps_topics_and_offsets(
+    own_broker: PrivateBroker, kafka_topic: str
+) -> None:
+    # A broker of its own: the shared one, restarted, would fail the tests running meanwhile.
+    kafka_bootstrap = own_broker.bootstrap
     tp, group = TopicPartition(kafka_topic, 0), f"g-{uuid.uuid4().hex}"
     async with AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, enable_idempotence=True) as p:
         for i in range(3):
@@ -191,8 +195,8 @@ async def test_restart_keeps_topics_and_offsets(kafka_bootstrap: str, kafka_topi
         await fetch(c, tp)
         await c.commit({tp: (2, "before-restart")})
 
-    await asyncio.to_thread(stop_broker)
-    assert await asyncio.to_thread(start_broker) == kafka_bootstrap
+    await asyncio.to_thread(own_broker.stop)
+    assert await asyncio.to_thread(own_broker.start) == kafka_bootstrap
 
     # The coordinator loads the offsets topic after a restart; until then it answers with
     # nothing (the aggregator waits for it the same way: service.committed_offsets).

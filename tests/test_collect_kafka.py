@@ -8,19 +8,14 @@ its records, in order, once each, also across a broker outage.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import os
 import signal
-import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, ConsumerRecord
-from broker import start_broker, stop_broker
+from broker import PrivateBroker
 from test_collect_local import (
     Collector,
     Sim,
@@ -51,7 +46,6 @@ from collector.transport.locallog import LogReader, LogRecord
 pytestmark = pytest.mark.kafka
 
 NODE = b"n1"
-REPO = Path(__file__).resolve().parent.parent
 
 
 async def consume_all(bootstrap: str, topic: str, timeout_s: float = 60) -> list[ConsumerRecord]:
@@ -100,30 +94,6 @@ def wait_until(cond: Any, timeout_s: float, what: str) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
-
-
-@contextmanager
-def broker_kept_down(bootstrap: str) -> Iterator[None]:
-    """Hold scripts/kafka.sh's lock: it serialises every caller of the shared broker, so a
-    start_broker() from a concurrent test session waits for the end of the outage instead of
-    ending it early (those sessions see a broker that is down or late, as they would anyway)."""
-    home = Path(os.environ.get("KAFKA_HOME", REPO / ".kafka"))
-    fd = os.open(home / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        assert_broker_down(bootstrap)
-        yield
-    finally:
-        os.close(fd)
-
-
-def assert_broker_down(bootstrap: str) -> None:
-    host, port = bootstrap.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=1).close()
-    except OSError:
-        return
-    pytest.fail(f"something started the shared broker on {bootstrap} during the outage")
 
 
 def body(e: Event) -> tuple[str, dict[str, Any]]:
@@ -210,8 +180,11 @@ def test_every_layout_end_to_end(kafka_bootstrap: str, kafka_topic: str, tmp_pat
 
 
 def test_broker_outage_spools_and_drains_exactly_once(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+    own_broker: PrivateBroker, kafka_topic: str, tmp_path: Path
 ) -> None:
+    # A broker of its own: taking the shared one away would fail the clients of every test
+    # running meanwhile (other sessions on the machine), and they could end the outage early.
+    kafka_bootstrap = own_broker.bootstrap
     root, proc_dir, spool = tmp_path / "containers", tmp_path / "proc", tmp_path / "spool"
     root.mkdir()
     sim = Sim(root, proc_dir, 8, seed=8, procs_per_container=2)
@@ -227,17 +200,15 @@ def test_broker_outage_spools_and_drains_exactly_once(
             wait_until(lambda: committed(spool) > 50, 60, "the first events to reach Kafka")
             time.sleep(2)
 
-            stop_broker()
-            with broker_kept_down(kafka_bootstrap):
-                down_at = time.monotonic()
-                end_at_stop = LogReader(spool).end_offset()
-                samples = []
-                while time.monotonic() - down_at < 20:
-                    time.sleep(2)
-                    assert collector.running(), collector.stderr()
-                    assert_broker_down(kafka_bootstrap)
-                    samples.append(LogReader(spool).end_offset())
-                committed_while_down = committed(spool)
+            own_broker.stop()
+            down_at = time.monotonic()
+            end_at_stop = LogReader(spool).end_offset()
+            samples = []
+            while time.monotonic() - down_at < 20:
+                time.sleep(2)
+                assert collector.running(), collector.stderr()
+                samples.append(LogReader(spool).end_offset())
+            committed_while_down = committed(spool)
             # Still scanning with the broker away: new seqs keep landing in the spool...
             assert samples == sorted(samples) and samples[-1] > end_at_stop
             assert len(set(samples)) >= 5
@@ -249,7 +220,7 @@ def test_broker_outage_spools_and_drains_exactly_once(
             # ...and stay there.
             assert committed_while_down < samples[-1]
 
-            start_broker()
+            own_broker.start()
             st.stop()  # quiet files: only heartbeats from here on
             wait_until(lambda: spool_is_drained(spool), 90, "the spool to drain")
 
@@ -258,7 +229,7 @@ def test_broker_outage_spools_and_drains_exactly_once(
         sim.close()
         if collector is not None and collector.running():
             collector.stop(signal.SIGKILL)
-        start_broker()  # other tests share the broker: always leave it running
+        own_broker.start()  # running again for the checks below (the fixture stops it)
 
     spooled: list[LogRecord] = read_all(spool)
     end = LogReader(spool).end_offset()

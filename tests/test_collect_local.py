@@ -160,7 +160,7 @@ def read_all(log: Path) -> list[LogRecord]:
     return out
 
 
-def wait_for_records(log: Path, n: int, c: Collector, timeout: float = 30) -> int:
+def wait_for_records(log: Path, n: int, c: Collector, timeout: float = 60) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert c.running(), c.stderr()

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from collector.node import discover
 from collector.node.discover import SYMLINK, CacheFile, Discovery, ListingLimits, Skipped
 
 POD = "0f4e8a52-7d3c-4b8e-9a51-3c2d1e0f9a88"
@@ -231,13 +232,33 @@ def test_idle_node_lists_only_the_root(tmp_path: Path) -> None:
     assert disc.stats.listings == 6
 
 
-def test_a_huge_directory_is_listed_at_most_once_per_relist_and_reported(tmp_path: Path) -> None:
+class MovedClock:
+    """Stands in for the `time` module in discover.py: monotonic() is `now`, moved by the test;
+    the file-time and duration clocks are the real ones."""
+
+    time_ns = staticmethod(time.time_ns)
+    perf_counter = staticmethod(time.perf_counter)
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_huge_directory_is_listed_at_most_once_per_relist_and_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     big = tmp_path / f"{POD}_big"
     first = touch_cache(big, "a.cache")
     for i in range(300):
         (big / f"junk{i}").write_bytes(b"")
     small = touch_cache(tmp_path / f"{POD}_small")
     limits = ListingLimits(max_entries=100, relist_s=0.5, budget_s=10.0)
+    # Discovery's monotonic clock, moved by hand: scans of a loaded machine can be seconds
+    # apart, which would make "before relist_s has passed" a race.
+    clock = MovedClock()
+    monkeypatch.setattr(discover, "time", clock)
     disc = Discovery(tmp_path, limits)
     report = Skipped(str(big), "more than 100 entries: listed at most once every 0.5 s", LARGE)
     assert disc.scan() == ([entry(first, POD, "big"), entry(small, POD, "small")], [report])
@@ -251,13 +272,13 @@ def test_a_huge_directory_is_listed_at_most_once_per_relist_and_reported(tmp_pat
     assert disc.stats.listings == 2 + 3
     assert [f.path for f in disc.scan()[0]] == [str(first), str(small.parent / "a.cache"),
                                                  str(small.parent / "x.cache")]  # fmt: skip
-    time.sleep(0.6)
+    clock.now += 0.6
     files, _ = disc.scan()
     assert entry(second, POD, "big") in files
     # Back under the bound: an ordinary directory again, no longer reported.
     for i in range(300):
         (big / f"junk{i}").unlink()
-    time.sleep(0.6)
+    clock.now += 0.6
     assert disc.scan()[1] == []
     assert disc.stats.large == 0
 

@@ -53,7 +53,7 @@ class Proc:
     def stderr(self) -> str:
         return self.err.read_text()
 
-    def port(self, timeout: float = 20) -> int:
+    def port(self, timeout: float = 60) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.stderr()
@@ -76,7 +76,7 @@ def metric(port: int, name: str) -> float:
     return float(m.group(1))
 
 
-def wait_until(what: str, check: object, p: Proc, timeout: float = 20) -> None:
+def wait_until(what: str, check: object, p: Proc, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert p.proc.poll() is None, p.stderr()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -17,6 +18,8 @@ from .security import KafkaSecurity
 log = logging.getLogger(__name__)
 
 DAY_MS = 86_400_000
+# How long `topics --apply` waits for the topics it created to show in the broker's metadata.
+_CREATED_VISIBLE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -217,10 +220,10 @@ async def apply_plan(
         for name in created:
             out.write(f"created {name}\n")
         states = await describe(admin, [s.name for s in specs])
-        # A topic just created reaches the brokers' metadata a moment later.
-        for _ in range(40):
-            if all(states[name] is not None for name in created):
-                break
+        # A topic just created reaches the brokers' metadata a moment later (seconds on a
+        # loaded broker): wait for it rather than print it as missing.
+        deadline = time.monotonic() + _CREATED_VISIBLE_S
+        while any(states[name] is None for name in created) and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
             states = await describe(admin, [s.name for s in specs])
     finally:
