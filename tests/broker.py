@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -87,15 +88,22 @@ def secure_broker() -> SecureBroker:
 
 
 def _free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now (held together while picked, so never the same one twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct ports free now, below the kernel's range of ephemeral ports: one from that
+    range could be taken by some client's connection while the broker is stopped, and the
+    restart would find it in use."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, ConsumerRecord
 from broker import PrivateBroker
+from streams import create_topic
 from test_collect_local import (
     Collector,
     Sim,
@@ -126,6 +127,9 @@ def static_node(root: Path, proc: Path) -> None:
 
 
 def test_every_layout_end_to_end(kafka_bootstrap: str, kafka_topic: str, tmp_path: Path) -> None:
+    # Provisioned, as in production: a topic auto-created by the first send can take longer to
+    # get a leader on a loaded machine than the collector's 10 s of draining at exit.
+    asyncio.run(create_topic(kafka_bootstrap, kafka_topic))
     spool = tmp_path / "spool"
     kafka = ["--kafka", kafka_bootstrap, "--topic", kafka_topic]
 
@@ -185,6 +189,7 @@ def test_broker_outage_spools_and_drains_exactly_once(
     # A broker of its own: taking the shared one away would fail the clients of every test
     # running meanwhile (other sessions on the machine), and they could end the outage early.
     kafka_bootstrap = own_broker.bootstrap
+    asyncio.run(create_topic(kafka_bootstrap, kafka_topic))
     root, proc_dir, spool = tmp_path / "containers", tmp_path / "proc", tmp_path / "spool"
     root.mkdir()
     sim = Sim(root, proc_dir, 8, seed=8, procs_per_container=2)
