@@ -127,11 +127,14 @@ def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
     steps = [e for e in events if isinstance(e, LayoutAnomaly) and e.anomaly == "clock_step"]
     assert len(steps) == 1, steps
     assert steps[0].value is not None and -301_000 <= steps[0].value <= -299_000
-    # Heartbeats went on, a second apart on the monotonic clock, through the step.
+    # Heartbeats went on, about a second apart on the monotonic clock, through the step: due
+    # 1 s after the last one, each comes with the first 0.2 s scan from then, later only by
+    # how late that scan ran (a loaded machine's scheduling). 10 s allows for that and is
+    # still far from the 300 s a heartbeat stamped by the stepped wall clock would be off.
     beats = [e.ts for e in events if isinstance(e, Heartbeat)]
     after = [t for t in beats if t >= steps[0].ts]
     assert len(after) >= 2
-    assert all(500 <= b - a <= 2500 for a, b in zip(beats, beats[1:], strict=False)), beats
+    assert all(500 <= b - a <= 10_000 for a, b in zip(beats, beats[1:], strict=False)), beats
 
     # Billed: 2 GiB from the first sample to the exit, which event time puts after the step
     # by about the real time between them (never 300 s before it).

@@ -153,8 +153,10 @@ def test_presence_follows_kubernetes_timestamps_end_to_end(tmp_path: Path) -> No
         if isinstance(e, ContainerAppeared):
             appeared.setdefault((e.pod_uid, e.container), []).append(e.ts)
     (deleted,) = [e for e in events if isinstance(e, ContainerRun) and e.reason == "deleted"]
-    # The lost pod's run ended when the watch saw the DELETED event (its read batch: 0.5 s).
-    assert 0 <= deleted.at - deleted_ms < 1500, deleted.at - deleted_ms
+    # The lost pod's run ended when the watch saw the DELETED event (its read batch: 0.5 s,
+    # later on a loaded machine); not as late as the collector's stop, which came at least
+    # s[9] + 1.5 s - s[7] = 3.5 s after the deletion.
+    assert 0 <= deleted.at - deleted_ms < 3500, deleted.at - deleted_ms
     missed = [e.at for e in events if isinstance(e, ContainerRun) and e.reason == "restart_missed"]
     assert missed == [s[5]]
 
