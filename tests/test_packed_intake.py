@@ -8,9 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_windows import Collector, dev, row
+from test_windows import Collector, dev, row, state
 
 from collector.aggregate.intake import InputStats, add_kafka_records, add_record
 from collector.aggregate.records import BillingRecord
@@ -137,8 +138,8 @@ def _kafka(agg: Aggregator, stats: InputStats, batch: list[tuple[int, bytes]]) -
 
 
 STEP = st.tuples(
-    st.integers(0, 3),  # 0..2: a sample (pid, total, sm), 3: a hostile or broken message
-    st.integers(1, 3),
+    st.integers(0, 3),  # 0..2: a sample, 3: a hostile or broken message
+    st.integers(1, 3),  # the sample's rows, or which hostile message
     EDGY,
     st.integers(-1, MAX_PERCENT + 1),
     st.integers(-30, 5),  # seconds back or forth: late, out of order, duplicates
@@ -151,12 +152,17 @@ def test_the_intake_gives_the_records_of_the_decoded_stream(
     steps: list[tuple[int, int, int, int, int]], dup: int
 ) -> None:
     c = Collector()
-    msgs = [encode(c.appeared(T0, dev(0, limit=8 << 30), dev(1, limit=8 << 30)))]
+    msgs = [encode(c.appeared(T0, devices=[dev(0, limit=8 << 30), dev(1, limit=8 << 30)]))]
     t = T0
     for kind, pid, total, sm, jump in steps:
         t = max(T0, t + 1000 + jump * 1000)
         if kind < 3:
-            msgs.append(encode(c.sample(t, row(pid, total, kind % 2, total // 2, sm))))
+            # pids 1..pid; the first on device 0, the others on a device that varies: the
+            # same rows as before, rows that differ from the second one on, or fewer rows
+            rows_ = [
+                row(p, total, 0 if p == 1 else kind % 2, total // 2, sm) for p in range(1, pid + 1)
+            ]
+            msgs.append(encode(c.sample(t, *rows_)))
         elif pid == 1:
             msgs.append(b"\x97\x05\xff")  # a sample's first bytes, then garbage
         elif pid == 2:
@@ -169,3 +175,49 @@ def test_the_intake_gives_the_records_of_the_decoded_stream(
     want = _records(_decoded, stream)
     assert _records(_intake, stream) == want
     assert _records(_kafka, stream) == want
+
+
+def _two_rows(c: Collector, t: int, total: int) -> bytes:
+    return encode(c.sample(t, row(1, total, 0, 7, 3), row(2, 2 * total, 1, 9, 4)))
+
+
+def _dropped(how: str) -> list[bytes]:
+    """A container sampling the same two rows every second, one of its keys dropped in the
+    middle in the way `how`, then the same two rows again."""
+    c = Collector()
+    devices = [dev(0, limit=8 << 30), dev(1, limit=8 << 30)]
+    msgs = [encode(c.appeared(T0, devices=devices))]
+    t = T0
+    for s in range(5):
+        t = T0 + s * 1000
+        msgs.append(_two_rows(c, t, 100 + s))
+    t += 1000
+    if how == "heartbeat":  # restates pid 1 only: pid 2's key ends
+        msgs.append(encode(c.heartbeat(t, state(1, row(1, 100, 0, 7, 3), devices=devices))))
+    elif how == "exit":
+        msgs.append(encode(c.exited(t, 2)))
+    elif how == "expiry":  # silent for longer than max_gap
+        t += S.max_gap_ms + 5000
+    elif how == "gone":
+        msgs.append(encode(c.gone(t)))
+        msgs.append(encode(c.appeared(t + 500, devices=devices)))
+    elif how == "limits":  # device 1 leaves the table: its rows are unattributed
+        msgs.append(encode(c.limits(t, devices[:1])))
+    elif how == "late":  # a late sample of pid 2 after its window closed
+        for s in range(1, 80):
+            msgs.append(encode(c.sample(t + s * 1000, row(1, 5, 0, 7, 3))))
+        t += 80_000
+        msgs.append(encode(c.sample(T0 + 61_000, row(2, 999, 1, 9, 4))))
+    for s in range(1, 6):
+        msgs.append(_two_rows(c, t + s * 1000, 300 + s))
+    return msgs
+
+
+@pytest.mark.parametrize("how", ["heartbeat", "exit", "expiry", "gone", "limits", "late"])
+def test_a_dropped_key_is_never_updated_through_the_layout(how: str) -> None:
+    """`Track.layout` holds live value lists: every way a key ends must forget it, or the
+    same rows after it would update a list the track no longer holds."""
+    stream = list(enumerate(_dropped(how)))
+    want = _records(_decoded, stream)
+    assert want[0]
+    assert want == _records(_intake, stream) == _records(_kafka, stream)

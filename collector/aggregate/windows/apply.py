@@ -118,17 +118,46 @@ def apply_tuples(
 ) -> None:
     """Samples at `t`, rows as tuples in `UsageRow`'s field order; `in_bounds`: every row is
     known to pass `row_ok` (`packed.checked` found it so). The hot path: it runs once per usage
-    row, so `row_ok` is inlined and nothing is allocated for a key that is already live."""
+    row, so `row_ok` is inlined and nothing is allocated for a key that is already live.
+
+    A collector samples the same processes in the same order scan after scan, so the track
+    keeps the last in-bounds sample's rows as (pid, hostpid, device, its Device, its live
+    value list) (`Track.layout`): a row with the same key as its place in the layout updates
+    those directly, without looking the key up. Dropping any key (`drop_key`, `gone`) forgets
+    the layout, and a device out of the table or a different key takes the full way from that
+    row on, so this gives what the full way gives."""
     if tr.pod_uid is None:
         ig.stats.unattributed_rows += len(rows)
         return
+    layout = tr.layout
+    if in_bounds and layout is not None and len(layout) == len(rows):
+        for row, (kpid, khostpid, kdev, ld, lv) in zip(rows, layout, strict=True):
+            pid, hostpid, dev, total, _context, _module, _data, mon, sm = row
+            if pid != kpid or hostpid != khostpid or dev != kdev or ld.uuid is None:
+                # the rows before this one are applied: the rest take the full way
+                rows = rows[next(i for i, r in enumerate(rows) if r is row) :]
+                break
+            ld.total += total - lv[0]
+            ld.monitor += mon - lv[1]
+            ld.sm += sm - lv[2]
+            lv[0] = total
+            lv[1] = mon
+            lv[2] = sm
+            lv[3] = t
+            lv[4] = off
+            ld.samples += 1
+        else:
+            return
+        tr.layout = None
     device_of = tr.devs.get
     keys = tr.keys
     key_of = keys.get
+    learned: list[tuple[int, int, int, Device, list[int]]] | None = [] if in_bounds else None
     for pid, hostpid, dev, total, _context, _module, _data, mon, sm in rows:
         d = device_of(dev)
         if d is None or d.uuid is None:
             ig.stats.unattributed_rows += 1
+            learned = None
             continue
         if not in_bounds and not (
             0 <= total <= MAX_BYTES and 0 <= mon <= MAX_BYTES and 0 <= sm <= MAX_PERCENT
@@ -138,7 +167,7 @@ def apply_tuples(
         k = (pid, hostpid, dev)
         v = key_of(k)
         if v is None:
-            keys[k] = [total, mon, sm, t, off]
+            v = keys[k] = [total, mon, sm, t, off]
             d.total += total
             d.monitor += mon
             d.sm += sm
@@ -159,6 +188,10 @@ def apply_tuples(
             v[3] = t
             v[4] = off
         d.samples += 1
+        if learned is not None:
+            learned.append((pid, hostpid, dev, d, v))
+    if learned is not None and len(learned) == len(rows):
+        tr.layout = learned
 
 
 def node_rows(ig: Integrator, tr: Track, sample: NodeDeviceSample, t: int) -> list[UsageRow] | None:
@@ -217,6 +250,7 @@ def end_process(ig: Integrator, tr: Track, pid: int, hostpid: int, t: int, off: 
 
 def gone(ig: Integrator, tr: Track, t: int, off: int) -> None:
     tr.keys.clear()
+    tr.layout = None
     for d in tr.devs.values():
         d.total = d.monitor = d.sm = d.nkeys = 0
     tr.nkeys = 0

@@ -112,6 +112,7 @@ class Integrator:
 
     def drop_key(self, tr: Track, k: Key) -> None:
         v = tr.keys.pop(k)
+        tr.layout = None  # it may hold k's value list
         d = tr.devs[k[2]]
         d.total -= v[0]
         d.monitor -= v[1]

@@ -180,6 +180,7 @@ class Track:
         "ivs",
         "keys",
         "last_ts",
+        "layout",
         "limits_off",
         "limits_ts",
         "next_exp",
@@ -209,6 +210,8 @@ class Track:
         self.limits_off = 0
         # live usage: key -> [total, monitor, sm_util, sample ts, offset]
         self.keys: dict[Key, list[int]] = {}
+        # the last in-bounds sample's rows: (pid, hostpid, device, Device, value list) (apply)
+        self.layout: list[tuple[int, int, int, Device, list[int]]] | None = None
         self.nkeys = 0
         self.next_exp = NEVER  # lower bound of the earliest key expiry
         self.expired: dict[Key, int] = {}  # key past its cap -> its sample ts
