@@ -3,7 +3,7 @@ the same stream, in alternating fresh processes, by CPU seconds; and the records
 hash-compared (a change for speed must not change a byte of output).
 
     .venv/bin/python bench/bench_aggregate_ab.py --old DIR [--new DIR] [--rows 200000]
-                                                  [--repeat 3] [--profile PREFIX]
+                                                  [--repeat 3] [--profile PREFIX] [--valgrind]
 
 A tree is a folder with `collector/` and `bench/` (e.g. `git archive main collector bench |
 tar -x -C /tmp/base`); `--new` defaults to this one. Each run builds the stream of
@@ -15,6 +15,9 @@ process, of which the least CPU time counts (this machine's noise is bursts of o
 What is not measured: fetching, decompressing and parsing the batches (aiokafka, the same
 for both trees).
 `--profile PREFIX` writes a cProfile of each tree's last run to PREFIX.old / PREFIX.new.
+`--valgrind` counts the instructions of each tree's drive under callgrind instead (valgrind
+must be installed; one run of each, about 50x slower, so use a smaller `--rows`): a figure the
+load of the machine does not change.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import asyncio
 import hashlib
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,6 +81,9 @@ def child(tree: str, rows: int, inner: int, profile: str | None) -> None:
                 batches.append({tps[p]: parts[p][pos[p] : pos[p] + 5000]})
                 pos[p] += 5000
     total = len(events)
+    if inner == 0:  # the stream alone (the part of a run under --valgrind to subtract)
+        print(json.dumps({"messages": 0, "records": 0, "cpu": 0.0, "sha256": ""}))
+        return
     cpus: list[float] = []
     digests: set[str] = set()
     for i in range(inner):
@@ -111,15 +119,45 @@ def child(tree: str, rows: int, inner: int, profile: str | None) -> None:
     )
 
 
-def run(tree: str, rows: int, inner: int, profile: str | None) -> dict[str, Any]:
+def run(
+    tree: str, rows: int, inner: int, profile: str | None, valgrind: bool = False
+) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", tree, "--rows", str(rows), "--inner", str(inner)]
     if profile:
         cmd += ["--profile", profile]
+    if valgrind:
+        cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"bench_aggregate_ab: the run of {tree} failed:\n{proc.stderr[-4000:]}")
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if valgrind:
+        found = re.search(r"Collected : (\d+)", proc.stderr)
+        assert found, proc.stderr[-2000:]
+        out["instructions"] = int(found.group(1))
     return out
+
+
+def instructions(trees: dict[str, str], rows: int) -> int:
+    """Instructions each tree's drive executes (callgrind: a run with the drive less one
+    without it), and whether their records are the same; machine load does not change them."""
+    counts: dict[str, int] = {}
+    digests: set[str] = set()
+    for side, tree in trees.items():
+        full = run(tree, rows, 1, None, valgrind=True)
+        stream = run(tree, rows, 0, None, valgrind=True)
+        counts[side] = full["instructions"] - stream["instructions"]
+        digests.add(full["sha256"])
+        print(
+            f"  {side}: {counts[side]:,} instructions for {rows:,} rows "
+            f"({counts[side] / rows:,.0f} a row), sha256 {full['sha256'][:16]}"
+        )
+    same = len(digests) == 1
+    print(
+        f"  old/new instructions: {counts['old'] / counts['new']:.2f}x; records "
+        + ("identical" if same else "DIFFER")
+    )
+    return 0 if same else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each tree, alternating")
     ap.add_argument("--inner", type=int, default=3, help="runs per process (its best counts)")
     ap.add_argument("--profile", help="write cProfile stats of the last runs to PREFIX.old/.new")
+    ap.add_argument(
+        "--valgrind",
+        action="store_true",
+        help="count instructions under callgrind instead of timing (one run of each tree)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -139,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_aggregate_ab: --old DIR is required", file=sys.stderr)
         return 2
     trees = {"old": args.old, "new": args.new}
+    if args.valgrind:
+        if shutil.which("valgrind") is None:
+            print("bench_aggregate_ab: --valgrind needs valgrind on PATH", file=sys.stderr)
+            return 2
+        return instructions(trees, args.rows)
     cpu: dict[str, list[float]] = {"old": [], "new": []}
     digests: dict[str, set[str]] = {"old": set(), "new": set()}
     for i in range(args.repeat):
