@@ -29,6 +29,8 @@ from .transport.security import KafkaSecurity
 
 GiB = float(1 << 30)
 NODE = "demo-node"
+# The longest the demo waits, after its pods ended, for the collector to report and send that.
+_SETTLE_S = 60.0
 # Without Kubernetes the demo's pods have no namespace: the bill shows them "(unnamed)".
 DEMO_PRICES = """
 currency = "USD"
@@ -124,12 +126,24 @@ async def _collect_and_simulate(
         for c in sim.containers:
             shutil.rmtree(root / f"{c.pod_uid}_{c.name}")
         truth.observe(int(time.time() * 1000), [])
-        await asyncio.sleep(3 * s.interval_s)
+        await _settled(collector, {c.pod_uid for c in sim.containers}, s.interval_s)
     finally:
         collector.stopping.set()
         await task
     progress(f"demo: collected {collector.status.appended} events; aggregating", final=True)
     return truth
+
+
+async def _settled(collector: Collector, ended: set[str], interval_s: float) -> None:
+    """Wait until the collector has reported the ended pods gone (at its next scan, later on a
+    loaded machine) and, through Kafka, sent what it spooled: stopped earlier, it would leave
+    the pods billed on, or their last events unsent. Bounded: a demo always ends."""
+    deadline = time.monotonic() + _SETTLE_S
+    while time.monotonic() < deadline and (
+        any(state.pod_uid in ended for state, _ in collector.scanner.published)
+        or collector.spool_depth()
+    ):
+        await asyncio.sleep(interval_s)
 
 
 def _anomalies(log_dir: Path) -> list[tuple[str, str, str]]:
