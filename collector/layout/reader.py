@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+import msgspec
+
 from ..events import MAX_BYTES, MAX_PERCENT
 from .declarations import LAYOUTS, MAX_DEVICES, MAX_PROCS, UUID_LEN, Layout
 from .detect import HEADER_BYTES, Detection, detect
@@ -26,6 +28,9 @@ _LOW_BIT = bytes(b & 1 for b in range(256))  # bytes.translate table: each byte 
 WRAP = 1 << 63  # a u64 counter this large went below zero (HAMi issue #1181)
 DEFAULT_RETRIES = 64
 _EMPTY_IDS = bytes(8)  # pid and hostpid of an empty slot
+# Slots [proc_num, end) read along twice, as (proc_num, end, first read, second read, offset):
+# the slots are each read's bytes from `offset` on (the reads begin below them).
+Past = tuple[int, int, bytes, bytes, int]
 
 
 @dataclass(frozen=True)
@@ -383,8 +388,9 @@ class ParseMemo:
 
     def __init__(self) -> None:
         self.header: _Header | None = None
-        # (tail bytes, the snapshot): returned again when nothing it was made of changed
-        self.last: tuple[bytes, Snapshot] | None = None
+        # (tail bytes, the snapshot, the bytes below the tail `_snapshot_known` read, or None):
+        # returned again when nothing it was made of changed
+        self.last: tuple[bytes, Snapshot, bytes | None] | None = None
         # slot -> (the _Short it was parsed with, its bytes, the proc, its anomalies)
         self.slots: dict[int, tuple[_Short, bytes, ProcSnapshot, list[Anomaly]]] = {}
         # slots [0, proc_num) in one piece -> the procs, their anomalies and live totals
@@ -392,8 +398,9 @@ class ParseMemo:
             tuple[_Short, bytes, list[ProcSnapshot], list[Anomaly], tuple[int, ...]] | None
         ) = None
         # The slots past proc_num the last snapshot read along (see `snapshot_fd`'s `ahead`):
-        # (proc_num, end slot, first read, second read), or None when it read none.
-        self.past: tuple[int, int, bytes, bytes] | None = None
+        # (proc_num, end slot, first read, second read, where in the reads they begin), or
+        # None when it read none.
+        self.past: Past | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -548,7 +555,7 @@ def snapshot_fd(
                 _check_limits(devices, live_used, anomalies)
                 snap = _snapshot(path, size, layout, found, device_num, devices, proc_num,
                                  procs, tail_fields, last_kernel_time, anomalies)  # fmt: skip
-                memo.last = (tail, snap)
+                memo.last = (tail, snap, None)
                 return snap
             slots = _read_slots(f, layout, proc_num, retries, anomalies)
             slots = _within_contents(slots, proc_num, anomalies)
@@ -615,29 +622,50 @@ def _snapshot_known(
     if not 0 <= proc_num <= MAX_PROCS:
         return None
     slot_size, start, seq = layout.slot_size, layout.procs, layout.slot_seqlock
-    n = proc_num * slot_size
+    n = start + proc_num * slot_size
     end = proc_num if ahead is None else max(proc_num, min(ahead(proc_num), MAX_PROCS))
-    m = end * slot_size
+    m = start + end * slot_size
+    # Each read takes the header and the slots from 0 to `end` whole, so that two of them
+    # compare as one bytes object (a change anywhere in them, even where the protocol does not
+    # need it, sends the file down the general path).
     if seq is not None:
-        # seq (read r0, with the header) -> slots (r1) -> seq (r2), each a separate read.
-        before = _pread(fd, max(HEADER_BYTES, start + n), 0)
-        data = _pread(fd, m, start)
-        after = _pread(fd, m, start)
-        clean = before[start : start + n] == after[:n] and (
-            1 not in before[start + seq : start + n : slot_size].translate(_LOW_BIT)
-        )
-        header = before
+        # seq (read r0) -> slots (r1) -> seq (r2), each a separate read.
+        before = _pread(fd, m, 0)
+        data = _pread(fd, m, 0)
+        after = _pread(fd, m, 0)
+        if before != after or 1 in before[start + seq : n : slot_size].translate(_LOW_BIT):
+            return None
     else:
-        # Without a seqlock two reads of the slots must agree: the header comes with the first.
-        header = _pread(fd, max(HEADER_BYTES, start + m), 0)
-        data = header[start : start + m]
-        after = _pread(fd, m, start)
-        clean = data[:n] == after[:n]
-    if len(data) < n or len(after) < n or not clean or not header.startswith(known.below):
+        # Without a seqlock two reads of the slots must agree.
+        data = _pread(fd, m, 0)
+        after = _pread(fd, m, 0)
+        if data != after:
+            return None
+    if len(data) < n or len(after) < n:
         return None
-    block = data[:n]
-    memo.past = (proc_num, end, data[n:], after[n:])
-    same = memo.block is not None and memo.block[1] == block
+    memo.past = (proc_num, end, data, after, n)
+    last = memo.last
+    if (
+        last is not None
+        and last[2] == data  # (so the header starts with `known.below`, as it did then)
+        and last[1].proc_num == proc_num
+        and last[1].path == path
+    ):
+        # Header, size and slots as last scan: so is everything parsed from them (the procs,
+        # the anomalies, the limit check), and only what the tail says can differ.
+        if last[0] == tail:
+            return last[1]  # every byte the snapshot is made of is as last scan
+        snap = msgspec.structs.replace(
+            last[1],
+            priority=priority,
+            utilization_switch=utilization_switch,
+            recent_kernel=recent_kernel,
+            last_kernel_time=_last_kernel_time(layout, tail),
+        )
+        memo.last = (tail, snap, data)
+        return snap
+    if not data.startswith(known.below):
+        return None
     anomalies = list(known.found.anomalies)
     if size < layout.region_size:
         anomalies.append(
@@ -645,21 +673,22 @@ def _snapshot_known(
         )
     anomalies += known.anomalies
     procs, live_used = _parse_block(
-        memo, _codec(layout), layout, min(known.device_num, MAX_DEVICES), block, anomalies
+        memo, _codec(layout), layout, min(known.device_num, MAX_DEVICES), data[start:n], anomalies
     )
-    last = memo.last
-    if same and last is not None and last[0] == tail and last[1].path == path:
-        return last[1]  # every byte the snapshot is made of is as last scan
-    last_kernel_time: int | None = None
-    lkt = layout.last_kernel_time
-    if lkt is not None and len(tail) >= lkt - layout.proc_num + 8:
-        (last_kernel_time,) = _U64.unpack_from(tail, lkt - layout.proc_num)
     _check_limits(known.devices, live_used, anomalies)
     snap = _snapshot(path, size, layout, known.found, known.device_num, known.devices, proc_num,
-                     procs, (priority, utilization_switch, recent_kernel), last_kernel_time,
-                     anomalies)  # fmt: skip
-    memo.last = (tail, snap)
+                     procs, (priority, utilization_switch, recent_kernel),
+                     _last_kernel_time(layout, tail), anomalies)  # fmt: skip
+    memo.last = (tail, snap, data)
     return snap
+
+
+def _last_kernel_time(layout: Layout, tail: bytes) -> int | None:
+    lkt = layout.last_kernel_time
+    if lkt is None or len(tail) < lkt - layout.proc_num + 8:
+        return None
+    value: int = _U64.unpack_from(tail, lkt - layout.proc_num)[0]
+    return value
 
 
 def _snapshot(

@@ -236,12 +236,21 @@ class Discovery:
         """The listing of each directory: the cached one, or a new one where it is due and the
         scan's budget allows. The longest-unlisted go first, so none waits forever."""
         now = time.monotonic()
+        recent = time.time_ns() - TIMESTAMP_WINDOW_NS
         out: dict[str, _Dir] = {}
         due: list[tuple[float, str, str, int]] = []
+        known = self._dirs
         for name, path, mtime_ns in dirs:
-            cached = self._dirs.get(name)
+            cached = known.get(name)
             if cached is not None:
                 out[name] = cached
+                # The usual case, without a call: unchanged, older than the window, not large.
+                if (
+                    cached.mtime_ns == mtime_ns
+                    and mtime_ns <= recent
+                    and cached.entries <= self.limits.max_entries
+                ):
+                    continue
             if self._due(cached, mtime_ns, now):
                 due.append((-1.0 if cached is None else cached.listed_at, name, path, mtime_ns))
         spent = 0.0
@@ -261,7 +270,7 @@ class Discovery:
             return now - cached.listed_at >= self.limits.relist_s
         # A change within the filesystem's timestamp granularity can leave mtime as it was,
         # so a directory touched in the last two seconds is listed again anyway.
-        recent = time.time_ns() - mtime_ns < 2_000_000_000
+        recent = time.time_ns() - mtime_ns < TIMESTAMP_WINDOW_NS
         return cached.mtime_ns != mtime_ns or recent
 
     def _list(self, name: str, path: str, mtime_ns: int, now: float) -> _Dir:

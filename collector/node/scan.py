@@ -138,6 +138,7 @@ class Scanner:
         unchanged: set[tuple[str, int]] = set()
         if presence is not None:
             presence.begin(self.clock.offset_ms if now_ms is None else 0)
+        now_s = time.monotonic()  # for the writer-fault checks' stuck seqlocks
         for f in found:
             key = (f.path, f.ino)
             st = self._files.get(key)
@@ -149,7 +150,7 @@ class Scanner:
             if st is None:
                 st = FileState(self._next_cid, f.pod_uid, f.container, f.path)
                 self._next_cid += 1
-            snap = self._read(f, refused)
+            snap = self._read(f, refused, now_s)
             if snap is None:
                 continue  # vanished or refused: gone (ContainerGone below if it had appeared)
             if reuse and host_proc is None and _settled(st, snap, last.get(key)):
@@ -162,7 +163,8 @@ class Scanner:
         if presence is not None:
             presence.end()
         self._report_skipped(refused, skipped_now, events)
-        self.writer_faults.keep(present)
+        if present.keys() != self._files.keys():
+            self.writer_faults.keep(present)  # (it keeps those of this scan's files only)
         self._snaps = seen
         if len(self._memos) > len(present):
             self._memos = {k: m for k, m in self._memos.items() if k in present}
@@ -214,7 +216,7 @@ class Scanner:
                 self._stamp(LayoutAnomaly, cid=-1, path=path, anomaly=kind, detail=reason)
             )
 
-    def _read(self, f: CacheFile, skipped: list[Skipped]) -> Snapshot | None:
+    def _read(self, f: CacheFile, skipped: list[Skipped], now_s: float) -> Snapshot | None:
         """A snapshot of `f` opened beneath the root; None when it is gone or refused (the
         reason is added to `skipped`)."""
         try:
@@ -230,16 +232,16 @@ class Scanner:
         memo = self._memos.get(key)
         if memo is None and self.reuse:
             memo = self._memos[key] = ParseMemo()
-        fd = opened.fd
+        fd, st, kept = opened
         try:
             if memo is None:
-                snap = snapshot_fd(fd, f.path, st=opened.st)
-                return self.writer_faults.check(key, fd, snap, time.monotonic())
+                snap = snapshot_fd(fd, f.path, st=st)
+                return self.writer_faults.check(key, fd, snap, now_s)
             faults = self.writer_faults
-            snap = snapshot_fd(fd, f.path, memo=memo, st=opened.st, ahead=faults.ahead(key))
-            return faults.check(key, fd, snap, time.monotonic(), memo.past)
+            snap = snapshot_fd(fd, f.path, memo=memo, st=st, ahead=faults.ahead(key))
+            return faults.check(key, fd, snap, now_s, memo.past)
         finally:
-            if not opened.kept:
+            if not kept:
                 os.close(fd)
 
     def _clock_step(self, step: Step) -> Event:

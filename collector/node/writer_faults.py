@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ..layout.declarations import LAYOUTS, MAX_PROCS, Layout
-from ..layout.reader import parse_slot
+from ..layout.reader import Past, parse_slot
 from ..layout.snapshot import Anomaly, ProcSnapshot, Snapshot
 
 FileKey = tuple[str, int]  # (path, inode), as the scanner keys files
@@ -57,13 +57,19 @@ class _Watch:
     high: int = 0  # the highest proc_num seen
     unique: list[ProcSnapshot] = field(default_factory=list)  # procs that held no duplicate
     # What a check that found nothing and changed nothing was given: (layout, proc_num, the
-    # procs object, the anomalies, the bytes past proc_num). The same again finds nothing again.
-    quiet: tuple[str, int, list[ProcSnapshot], list[Anomaly], bytes] | None = None
+    # procs object, the anomalies, the reader's read that held the bytes past proc_num, where
+    # they end, where they begin in it). The same again finds nothing again.
+    quiet: tuple[str, int, list[ProcSnapshot], list[Anomaly], bytes, int, int] | None = None
 
     def end(self, proc_num: int) -> int:
-        """The slot up to which `_beyond` first reads past `proc_num`."""
-        n = min(max(proc_num, 0), MAX_PROCS)
-        return min(max(n + BEYOND, self.high), n + REACH, MAX_PROCS)
+        """The slot up to which `_beyond` first reads past `proc_num`:
+        min(max(n + BEYOND, high), n + REACH, MAX_PROCS) for n clamped to 0..MAX_PROCS (called
+        for every file on every scan, so without the calls)."""
+        n = proc_num if 0 <= proc_num <= MAX_PROCS else (0 if proc_num < 0 else MAX_PROCS)
+        end = n + BEYOND
+        if end < self.high:
+            end = self.high if self.high < n + REACH else n + REACH
+        return end if end < MAX_PROCS else MAX_PROCS
 
 
 class WriterFaults:
@@ -90,32 +96,35 @@ class WriterFaults:
         fd: int,
         snap: Snapshot,
         now_s: float,
-        past: tuple[int, int, bytes, bytes] | None = None,
+        past: Past | None = None,
     ) -> Snapshot:
-        """`past`: (proc_num, end slot, two reads of the slots [proc_num, end)) when the reader
-        read them along (`ParseMemo.past`), used instead of reading them again."""
+        """`past`: two reads of the slots [proc_num, end) when the reader read them along
+        (`ParseMemo.past`), used instead of reading them again."""
+        w = self._files.get(key)
+        n = snap.proc_num
+        if w is not None and past is not None:
+            q = w.quiet
+            if (
+                q is not None
+                and q[2] is snap.procs
+                and q[1] == n == past[0]
+                and q[0] == snap.layout
+                and q[5] == past[1]
+                and q[6] == past[4]
+                and past[2] == past[3] == q[4]  # (whole reads: those slots among them)
+                and q[3] == snap.anomalies
+            ):
+                # Every input of the checks below is as in a check that found nothing, took
+                # no slot and left its state as it was (so `end` is as then too): they would
+                # do the same again.
+                return snap
         layout = LAYOUTS.get(snap.layout or "")
         if layout is None:
             return snap
-        w = self._files.get(key)
         if w is None:
             w = self._files[key] = _Watch()
-        n = snap.proc_num
         if past is not None and (past[0] != n or past[1] != w.end(n)):
             past = None
-        q = w.quiet
-        if (
-            q is not None
-            and past is not None
-            and q[2] is snap.procs
-            and q[1] == n
-            and q[0] == layout.name
-            and past[2] == past[3] == q[4]
-            and q[3] == snap.anomalies
-        ):
-            # Every input of the checks below is as in a check that found nothing, took no
-            # slot and left its state as it was: they would do the same again.
-            return snap
         w.quiet = None
         procs = list(snap.procs)
         anomalies = list(snap.anomalies)
@@ -128,8 +137,13 @@ class WriterFaults:
                 w.unique = snap.procs
         if procs == snap.procs and anomalies == snap.anomalies:
             torn = any(a.kind == "torn_read" for a in anomalies)
-            if stable is not None and not (w.stuck or w.writers or w.orphans or torn):
-                w.quiet = (layout.name, n, snap.procs, snap.anomalies, stable)
+            if (
+                past is not None
+                and stable is not None
+                and past[2] == past[3]
+                and not (w.stuck or w.writers or w.orphans or torn)
+            ):
+                w.quiet = (layout.name, n, snap.procs, snap.anomalies, past[2], w.end(n), past[4])
             return snap
         procs.sort(key=lambda p: p.slot)
         return msgspec.structs.replace(snap, procs=procs, anomalies=anomalies)
@@ -211,7 +225,7 @@ class WriterFaults:
         snap: Snapshot,
         procs: list[ProcSnapshot],
         anomalies: list[Anomaly],
-        past: tuple[int, int, bytes, bytes] | None = None,
+        past: Past | None = None,
     ) -> bytes | None:
         """Returns the bytes past proc_num when both reads of them agreed (None otherwise)."""
         n = min(max(snap.proc_num, 0), MAX_PROCS)
@@ -228,9 +242,10 @@ class WriterFaults:
             # while the last slot read was ever written (slots never used are zero).
             return end < limit and len(first) == (end - n) * size and first[-size:].count(0) != size
 
-        if past is not None and past[0] == n and past[1] == end and not more_to_read(past[2]):
+        first = b"" if past is None else past[2][past[4] :]
+        if past is not None and past[0] == n and past[1] == end and not more_to_read(first):
             # The reader's two reads of the slots, made after the snapshot's: the same pair.
-            first, second = past[2], past[3][: len(past[2])]
+            second = past[3][past[4] :][: len(first)]
         else:
             # One read of the range, and a second to tell a slot being written from a steady
             # one.
