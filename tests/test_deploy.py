@@ -642,14 +642,14 @@ def test_dockerignore_keeps_what_the_build_copies() -> None:
         if line.startswith("COPY"):
             copied += line.split()[1:-1]
     assert copied == ["pyproject.toml", "README.md", "collector"]
-    for path in [*copied, "collector/cli.py", "collector/aggregate/otlp.py"]:
+    for path in [*copied, "collector/cli/__init__.py", "collector/aggregate/otlp.py"]:
         assert not _dockerignored(path, patterns), path
     for path in [
         ".git/HEAD",
         ".venv/bin/python",
         ".kafka/libs",
         "tests/test_deploy.py",
-        "collector/__pycache__/cli.cpython-311.pyc",
+        "collector/cli/__pycache__/collect.cpython-311.pyc",
     ]:
         assert _dockerignored(path, patterns), path
 

@@ -1,0 +1,141 @@
+"""`hami-usage aggregate`: the aggregator's flags, settings and start-up checks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from ..aggregate.damage import EXIT_CHECKPOINT, CheckpointError
+from ..config import AggregateConfig
+from .args import Command, UsageError, iso_ms, switch
+from .kafka import kafka_flags, kafka_security, run_kafka, start_logging
+from .replay import REPLAY_FLAGS
+from .settings import load_settings
+from .topics import topic_plan
+from .windowing import (
+    accept_damaged_flag,
+    check_outputs,
+    damage_exit,
+    window_flags,
+    window_settings,
+)
+
+# The AggregateConfig fields with a flag: `load_settings` takes these from the command line.
+AGGREGATE_FLAGS = [
+    *REPLAY_FLAGS,
+    "parquet",
+    "billing_topic",
+    "group",
+    "otlp",
+    "drain",
+    "instance",
+    "health_port",
+    "health_bind_address",
+    "billing_format",
+    "start_from",
+]
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="TOML file; settings in its [aggregate] table")
+    p.add_argument("--kafka", metavar="BOOTSTRAP", help="consume from Kafka (consumer group)")
+    p.add_argument(
+        "--log",
+        metavar="DIR",
+        help="consume the local log instead (default /var/lib/hami-usage/events)",
+    )
+    p.add_argument("--topic", help="usage topic (default hami.usage.v1)")
+    p.add_argument("--billing-topic", help="billing topic (default hami.billing.v1)")
+    p.add_argument("--group", help="consumer group (default hami-usage-aggregator)")
+    p.add_argument(
+        "--health-port", type=int, help="serve /healthz (the input loop turns) on this port"
+    )
+    p.add_argument(
+        "--health-bind-address",
+        metavar="ADDRESS",
+        help="address the health port listens on (default 0.0.0.0)",
+    )
+    p.add_argument("--instance", help="replica id for the transactional id (default 0)")
+    window_flags(p)
+    p.add_argument("--csv", metavar="FILE", help="append billing records to this CSV file")
+    p.add_argument("--jsonl", metavar="FILE", help="append billing records as JSON Lines")
+    p.add_argument(
+        "--parquet",
+        metavar="DIR",
+        help="also write billing records as Parquet, partitioned by day (for `report`)",
+    )
+    p.add_argument(
+        "--otlp",
+        metavar="URL",
+        help="push OTLP metrics (http/protobuf), e.g. http://localhost:4318/v1/metrics",
+    )
+    switch(p, "--drain", "process what is there, close every window and exit", negatable=False)
+    accept_damaged_flag(p)
+    p.add_argument(
+        "--billing-format",
+        choices=["json", "msgpack"],
+        help="billing topic values (default json)",
+    )
+    p.add_argument(
+        "--start-from",
+        metavar="WHEN",
+        help="where a group with no committed offset starts: earliest (default), latest or "
+        "an ISO-8601 time",
+    )
+    kafka_flags(p)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..aggregate.service import AggregateSettings, aggregate
+    from ..transport.http import ListenError
+
+    cfg = load_settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
+    if cfg.window * 1000 % 1:
+        raise UsageError("hami-usage aggregate: --window must be a whole number of milliseconds")
+    check_outputs("aggregate", cfg)
+    settings = AggregateSettings(
+        window=window_settings(cfg),
+        kafka=cfg.kafka,
+        topic=cfg.topic,
+        billing_topic=cfg.billing_topic,
+        group=cfg.group,
+        log_dir=Path(cfg.log),
+        csv=cfg.csv,
+        jsonl=cfg.jsonl,
+        parquet=cfg.parquet,
+        otlp=cfg.otlp,
+        drain=cfg.drain,
+        instance=cfg.instance,
+        health_port=cfg.health_port,
+        health_bind_address=cfg.health_bind_address,
+        billing_format=cfg.billing_format,
+        start_from=_start_from(cfg.start_from),
+    )
+    if cfg.kafka:
+        settings.security = kafka_security(cfg, "aggregate")
+        settings.topics = topic_plan(args, cfg.topic, cfg.billing_topic).specs()
+    if not cfg.kafka and not Path(cfg.log).is_dir():
+        raise UsageError(f"hami-usage aggregate: --log {cfg.log}: not a directory")
+    start_logging(logging.INFO)
+    try:
+        run_kafka("aggregate", aggregate(settings))
+    except CheckpointError as exc:
+        print(f"hami-usage aggregate: {exc}", file=sys.stderr)
+        return EXIT_CHECKPOINT
+    except ListenError as exc:
+        raise UsageError(f"hami-usage aggregate: --health-port {exc}") from None
+    return damage_exit("aggregate", settings.stats.damage, cfg.accept_damaged, cfg.drain)
+
+
+def _start_from(text: str) -> str | int:
+    """Where a group with no committed offset starts: a position, or a time in ms."""
+    if text in ("earliest", "latest"):
+        return text
+    return iso_ms("--start-from", text, "aggregate")
+
+
+COMMAND = Command(
+    "aggregate", "events -> windowed billing records and OTLP metrics", _arguments, _run
+)

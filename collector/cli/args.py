@@ -1,0 +1,77 @@
+"""How the command line is read: the parser, the one error a bad flag raises, and the value
+types several subcommands share. Every subcommand module declares itself as a `Command`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+
+class UsageError(Exception):
+    """Bad flags or config: one line on stderr, exit status 2."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: `main` builds its parser from this and runs `run` with what it parsed."""
+
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+class Parser(argparse.ArgumentParser):
+    """No abbreviated options: `--kafka-password S` would be taken for `--kafka-password-file`
+    and its value echoed as a file name. An unknown option's values are not echoed either: they
+    may be secrets typed to an option that does not exist."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        head, _, rest = message.partition(": ")
+        if head == "unrecognized arguments":
+            options = [a for a in rest.split() if a.startswith("-")]
+            shown = " ".join(a.partition("=")[0] for a in options) or "(values not shown)"
+            message = f"{head}: {shown}"
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def positive(kind: Callable[[str], float], most: float = 86400.0) -> Callable[[str], float]:
+    """A number in (0, most]: finite, so no loop waits forever on it."""
+
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not 0 < value <= most:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be > 0 and <= {most:g}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def switch(p: argparse._ActionsContainer, flag: str, help: str, *, negatable: bool = True) -> None:
+    """An on/off flag whose default is None, not False: only a flag given on the command line
+    overrides the config file and the environment."""
+    action = argparse.BooleanOptionalAction if negatable else "store_true"
+    p.add_argument(flag, action=action, default=None, help=help)
+
+
+def iso_ms(flag: str, text: str, command: str = "replay") -> int:
+    """An ISO-8601 time as epoch milliseconds; a time without an offset is UTC."""
+    from datetime import UTC, datetime
+
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise UsageError(
+            f"hami-usage {command}: {flag} {text!r}: not an ISO-8601 time"
+            + (" (or earliest, latest)" if command == "aggregate" else "")
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return round(when.timestamp() * 1000)

@@ -1,0 +1,29 @@
+"""`hami-usage decode`: raw usage or billing messages, as any Kafka tool dumps them, to JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .args import Command
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--framing",
+        choices=["length", "base64", "lines"],
+        default="length",
+        help="length: each value after its length, a 4-byte big-endian int (kcat -f '%%R%%s'); "
+        "base64: one base64 value a line; lines: one raw value a line (JSON billing only)",
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..decode import decode_stream
+
+    return decode_stream(sys.stdin.buffer, sys.stdout.buffer, sys.stderr, args.framing)
+
+
+COMMAND = Command(
+    "decode", "raw usage or billing messages on stdin -> JSON lines", _arguments, _run
+)

@@ -1,0 +1,95 @@
+"""`hami-usage report`: a chargeback over billing records, as a table, CSV and HTML."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from ..config import KafkaClientConfig
+from .args import Command, UsageError, iso_ms
+from .kafka import KAFKA_FLAGS, kafka_errors, kafka_flags, reader, start_logging
+from .settings import load_settings
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from", dest="from_", required=True, metavar="ISO", help="first window")
+    p.add_argument("--to", required=True, metavar="ISO", help="end, ISO-8601 (exclusive)")
+    p.add_argument("--csv", action="append", metavar="FILE", help="billing records (CSV)")
+    p.add_argument("--jsonl", action="append", metavar="FILE", help="billing records (JSONL)")
+    p.add_argument("--parquet", metavar="DIR", help="billing records (aggregate --parquet)")
+    p.add_argument("--kafka", metavar="BOOTSTRAP", help="read the billing topic")
+    p.add_argument(
+        "--billing-topic", default="hami.billing.v1", help="billing topic (default hami.billing.v1)"
+    )
+    p.add_argument("--config", type=Path, help="TOML file; Kafka security in its [report] table")
+    kafka_flags(p)
+    p.add_argument(
+        "--by",
+        action="append",
+        metavar="DIM",
+        help="namespace (default), workload, pod, label:NAME, node, gpu-model; repeat to nest",
+    )
+    p.add_argument("--prices", metavar="FILE", help="prices.toml (default: every price 0)")
+    p.add_argument("--out-csv", metavar="FILE", help="write the bill as CSV")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with charts")
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+        import pyarrow  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            f"hami-usage report: needs the report extra (pip install 'hami-usage[report]'): {exc}"
+        ) from None
+    from ..report.bill import to_csv
+    from ..report.command import ReportArgs, make_report, table_text
+    from ..report.html import render
+    from ..report.load import LoadError
+    from ..report.prices import PriceError, Prices
+    from ..report.summary import parse_by
+
+    from_ms = iso_ms("--from", args.from_, "report")
+    to_ms = iso_ms("--to", args.to, "report")
+    if to_ms <= from_ms:
+        raise UsageError("hami-usage report: --to must be after --from")
+    if not (args.csv or args.jsonl or args.parquet or args.kafka):
+        raise UsageError("hami-usage report: give --csv, --jsonl, --parquet or --kafka")
+    try:
+        by = parse_by(args.by)
+        prices = Prices.load(Path(args.prices)) if args.prices else Prices()
+    except (ValueError, PriceError) as exc:
+        raise UsageError(f"hami-usage report: {exc}") from None
+    cfg = load_settings(args, KafkaClientConfig, "report", KAFKA_FLAGS)
+    report_args = ReportArgs(
+        from_ms=from_ms,
+        to_ms=to_ms,
+        by=by,
+        prices=prices,
+        csv=[Path(x) for x in args.csv or []],
+        jsonl=[Path(x) for x in args.jsonl or []],
+        parquet=Path(args.parquet) if args.parquet else None,
+        kafka=reader(cfg, "report", args.kafka) if args.kafka else None,
+        billing_topic=args.billing_topic,
+    )
+    start_logging(logging.WARNING)
+    try:
+        with kafka_errors("report"):
+            bill, summary = make_report(report_args)
+    except LoadError as exc:
+        print(f"hami-usage report: {exc}", file=sys.stderr)
+        return 1
+    if args.out_csv:
+        Path(args.out_csv).write_text(to_csv(bill))
+    if args.html:
+        title = f"GPU chargeback {args.from_} .. {args.to}"
+        Path(args.html).write_text(render(bill, summary, title))
+    sys.stdout.write(table_text(bill))
+    return 0
+
+
+COMMAND = Command(
+    "report", "chargeback over billing records: CSV, HTML with charts", _arguments, _run
+)

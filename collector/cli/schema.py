@@ -1,0 +1,33 @@
+"""`hami-usage schema`: the JSON Schemas in schemas/, generated from the one declaration."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import msgspec
+
+from .args import Command
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="schemas", help="folder (default schemas)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..aggregate import billing
+    from ..events import json_schema
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, schema in (
+        ("events.schema.json", json_schema()),
+        ("billing.schema.json", billing.json_schema()),
+    ):
+        target = out / name
+        target.write_bytes(msgspec.json.format(msgspec.json.encode(schema), indent=2) + b"\n")
+        print(f"wrote {target}")
+    return 0
+
+
+COMMAND = Command("schema", "write the event and billing JSON Schemas (schemas/)", _arguments, _run)

@@ -1,0 +1,36 @@
+"""Flags and the config file become one command's typed settings; the checks of the machine
+at start. Either failing is a `UsageError`: one line, exit 2, before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import msgspec
+
+from .. import settings_check as check
+from ..config import ConfigError, load
+from .args import UsageError
+
+C = TypeVar("C", bound=msgspec.Struct)
+
+
+def load_settings(args: argparse.Namespace, cls: type[C], section: str, names: list[str]) -> C:
+    """The `section` table of `--config`, the environment and the flags in `names`, merged."""
+    flags = {name: getattr(args, name) for name in names}
+    try:
+        return load(cls, section, config_file=args.config, flags=flags)
+    except ConfigError as exc:
+        raise UsageError(f"hami-usage {section}: {exc}") from None
+
+
+@contextmanager
+def machine(section: str) -> Iterator[None]:
+    """Checks of the machine at start (outputs writable, roots allowed): each failure is one
+    line and exit 2, before anything starts."""
+    try:
+        yield
+    except check.SettingError as exc:
+        raise UsageError(f"hami-usage {section}: {exc}") from None
