@@ -126,6 +126,8 @@ class PrivateBroker:
             "KAFKA_PORT": str(self.port),
             "KAFKA_CONTROLLER_PORT": str(self.controller_port),
             "KAFKA_SECURE": "0",
+            # Beside the shared broker for the rest of the session, with a topic or two.
+            "KAFKA_HEAP_OPTS": "-Xms64m -Xmx256m",
         }
 
     def start(self) -> str:

@@ -68,7 +68,7 @@ class Service:
     def stderr(self) -> str:
         return self.err.read_text(errors="replace")
 
-    def wait_assigned(self, timeout_s: float = 30) -> None:
+    def wait_assigned(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while "Setting newly assigned partitions" not in self.stderr():
             assert self.proc.poll() is None, self.stderr()[-3000:]

@@ -68,7 +68,7 @@ async def watching(
         await api.close()
 
 
-async def until(what: Callable[[], bool], timeout: float = 10.0) -> None:
+async def until(what: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not what():
         assert time.monotonic() < deadline, "condition not met in time"
@@ -92,7 +92,7 @@ async def test_list_then_watch_resolves_every_kind_of_workload(
     ds = server.add_owned_pod("web", "DaemonSet", "agent", "agent-7x9", ["a"])
     other = server.put_pod(make_pod("web", "elsewhere", "node-b", ["c"]))
     async with watching(server, tmp_path, page_size=2) as watch:
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         assert names(watch) == {
             dep["metadata"]["uid"]: (
                 "ml",
@@ -165,7 +165,7 @@ async def test_watch_resumes_from_the_last_bookmark_without_listing_again(
 ) -> None:
     server.add_owned_pod("web", "StatefulSet", "db", "db-0", ["pg"])
     async with watching(server, tmp_path, watch_timeout_s=1) as watch:
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         other = server.put_pod(make_pod("web", "x", "node-b", ["c"]))
         # Only another node's pod changed: this watch saw no event, only bookmarks, and the
         # history before them is gone. A client that ignored bookmarks would get 410 now.
@@ -187,7 +187,7 @@ async def test_410_gone_lists_again_and_marks_pods_deleted_meanwhile(
     kept = server.add_owned_pod("web", "StatefulSet", "db", "db-0", ["pg"])
     lost = server.add_owned_pod("web", "StatefulSet", "db", "db-1", ["pg"])
     async with watching(server, tmp_path) as watch:
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         server.go_down()
         await until(lambda: not watch.stats.connected)
         server.delete_pod(lost["metadata"]["uid"])
@@ -206,7 +206,7 @@ async def test_dropped_streams_resume_from_the_last_version_seen(
 ) -> None:
     server.add_owned_pod("web", "StatefulSet", "db", "db-0", ["pg"])
     async with watching(server, tmp_path) as watch:
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         for i in range(3):
             pod = server.add_owned_pod("web", "StatefulSet", "db", f"db-{i + 1}", ["pg"])
             await until(lambda p=pod: p["metadata"]["uid"] in watch.view)  # type: ignore[misc]
@@ -229,7 +229,7 @@ async def test_unreachable_at_start_then_answers(
         await until(lambda: watch.stats.errors >= 5)
         assert not watch.synced.is_set()
         server.come_up()
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         assert pod["metadata"]["uid"] in watch.view
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]  # once per episode
@@ -248,7 +248,7 @@ async def test_401_is_one_clear_line_and_a_counter_and_never_a_crash(
         assert len(errors) == 1, errors
         assert "refused the collector's credentials (HTTP 401 Unauthorized)" in errors[0]
         server.token = "expired"  # the credentials become valid (a rotated token)
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         assert watch.stats.connected
 
 
@@ -263,7 +263,7 @@ async def test_403_on_pods_is_reported_and_on_replicasets_falls_back_to_the_name
         (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert "HTTP 403" in line and "cannot list resource" in line
         server.forbidden = {"replicasets"}
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         identity: Identity = watch.view[pod["metadata"]["uid"]].identity
         # No get on ReplicaSets: the Deployment by the pod-template-hash naming convention.
         assert (identity.workload_kind, identity.workload) == ("Deployment", "trainer")
@@ -274,7 +274,7 @@ async def test_429_waits_for_retry_after(server: ApiServer, tmp_path: Path) -> N
     server.add_owned_pod("web", "DaemonSet", "agent", "agent-1", ["a"])
     server.throttle = [1.0]
     async with watching(server, tmp_path) as watch:
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         throttled, after = [r for r in server.requests if r.path == "/api/v1/pods"][:2]
         assert throttled.status == 429 and after.status == 200
         # Retry-After: 1 wins over the back-off (at most 0.2 s here).
@@ -303,7 +303,7 @@ async def test_allocation_annotation_is_decoded_per_container(
         annotations={"hami.io/vgpu-devices-allocated": "GPU-a,4000:;"},
     )
     async with watching(server, tmp_path) as watch:
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         view = watch.view[ok["metadata"]["uid"]]
         assert view.containers == ("a", "sidecar", "b")
         assert view.allocation == [
@@ -404,7 +404,7 @@ async def test_container_statuses_and_phase_reach_the_view(
     sidecars first), `lastState` and restart count, and the pod's phase."""
     pod = server.add_cronjob_pod("ml", "nightly-eval", ["eval", "log"], sidecars=("proxy",))
     async with watching(server, tmp_path) as watch:
-        await asyncio.wait_for(watch.synced.wait(), 10)
+        await asyncio.wait_for(watch.synced.wait(), 30)
         uid = pod["metadata"]["uid"]
         assert watch.view[uid].phase == "Running"
         assert watch.view[uid].runs == (
