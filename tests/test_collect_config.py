@@ -166,9 +166,10 @@ def test_precedence_flags_over_env_over_toml_over_defaults(
 
 
 def test_interval_and_max_scans_precedence(tmp_path: Path, roots: dict[str, Path]) -> None:
-    # With a heartbeat shorter than the interval, every scan ends in a heartbeat, so the
-    # heartbeat times show how many scans ran and how far apart.
-    cfg = write_toml(tmp_path / "c.toml", interval=0.1, max_scans=5, heartbeat=0.01)
+    # A heartbeat period under 1 ms (0 in the whole ms the scanner counts): every scan ends in
+    # a heartbeat, even one that follows a late scan at once, so the heartbeat times show how
+    # many scans ran and when.
+    cfg = write_toml(tmp_path / "c.toml", interval=0.1, max_scans=11, heartbeat=0.0001)
 
     def scans(log: Path, *args: str, **env: str) -> tuple[int, int]:
         """How many scans ran, and the ms from the announcement to the last one."""
@@ -181,19 +182,19 @@ def test_interval_and_max_scans_precedence(tmp_path: Path, roots: dict[str, Path
         return len(beats), beats[-1] - started.ts
 
     toml = scans(tmp_path / "a")
-    env = scans(tmp_path / "b", HAMI_USAGE_INTERVAL="0.4", HAMI_USAGE_MAX_SCANS="3")
-    flag = scans(tmp_path / "c", "--interval", "2", "--max-scans", "2", HAMI_USAGE_INTERVAL="0.4")
+    env = scans(tmp_path / "b", HAMI_USAGE_INTERVAL="0.2", HAMI_USAGE_MAX_SCANS="16")
+    flag = scans(tmp_path / "c", "--interval", "2", "--max-scans", "2", HAMI_USAGE_INTERVAL="0.2")
     # Scans run on a fixed grid that starts after the announcement and never before their
     # slot: N scans at interval I end at least (N - 1) * I after it (less 1: event times are
     # whole ms), later by however late the last one ran (unbounded on a loaded machine). So
     # each run's lower bound is its own interval's, and its upper bound the lower bound of the
-    # one longer interval it could wrongly have used, the default 1 s. (Using the shorter TOML
-    # or environment interval instead shows as a span below the lower bound on any machine
-    # that is not late by the whole difference.)
+    # one longer interval it could wrongly have used, the default 1 s: 9 s and 12 s of room.
+    # (The shorter TOML or environment interval instead shows as a span below the lower bound
+    # on any machine that is not late by the whole difference.)
     n, span = toml
-    assert n == 5 and 4 * 100 - 1 <= span < 4 * 1000, toml
+    assert n == 11 and 10 * 100 - 1 <= span < 10 * 1000, toml
     n, span = env
-    assert n == 3 and 2 * 400 - 1 <= span < 2 * 1000, env
+    assert n == 16 and 15 * 200 - 1 <= span < 15 * 1000, env
     n, span = flag
     assert n == 2 and span >= 2000 - 1, flag
 
