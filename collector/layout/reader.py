@@ -590,6 +590,24 @@ _TAIL = struct.Struct("<iiii")  # proc_num, utilization_switch, recent_kernel, p
 _U64 = struct.Struct("<Q")
 
 
+def _redetect(fd: int, size: int, known: _Header, window: bytes) -> _Header | None:
+    """`known` with the probes detection makes now (served from `window`, the bytes at
+    [known.lo, known.hi), where they lie in it), or None when detection answers otherwise."""
+    probes: list[tuple[int, bytes]] = []
+
+    def read_at(offset: int, length: int) -> bytes:
+        at = offset - known.lo
+        inside = at >= 0 and offset + length <= known.hi
+        got = window[at : at + length] if inside else _pread(fd, length, offset)
+        probes.append((offset, got))
+        return got
+
+    if detect(size, known.below, read_at) != known.found:
+        return None
+    return _header_memo(size, known.below, tuple(probes), known.found, known.device_num,
+                        known.devices, known.anomalies)  # fmt: skip
+
+
 def _snapshot_known(
     fd: int,
     path: str,
@@ -611,9 +629,17 @@ def _snapshot_known(
     assert layout is not None
     lo = known.lo
     window = _pread(fd, known.hi - lo, lo)
-    for off, was in known.probes:
-        if window[off - lo : off - lo + len(was)] != was:
+    if any(window[off - lo : off - lo + len(was)] != was for off, was in known.probes):
+        # What detection probed changed (it reads proc_num, which moves whenever a process
+        # starts or ends): detect again from the header below the slots (all it reads there;
+        # the header read below is checked against it) and these bytes.
+        redone = _redetect(fd, size, known, window)
+        if redone is None:
             return None
+        if (redone.lo, redone.hi) != (known.lo, known.hi):
+            lo = redone.lo
+            window = _pread(fd, redone.hi - lo, lo)
+        known = memo.header = redone
     at = layout.proc_num - lo
     tail = window[at : at + layout.region_size - layout.proc_num]
     if len(tail) < _TAIL.size:

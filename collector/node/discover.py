@@ -22,6 +22,15 @@ kept directory each scan, equal to what was opened. A name replaced by another f
 inode) or by a symlink, or that gained a hard link, gets the answer a fresh open would: reopened
 through the same checks, refused, or gone. Cache files are written through shared mappings,
 never replaced in place, so the inode is what identifies one.
+
+A name cannot be replaced, removed or added without changing its folder's mtime and ctime (and
+nobody can set a ctime back), so while a kept folder's times are what they were when a file's
+name was last checked, and were already older than the timestamp window then (a change within
+the filesystem's granularity can leave them as they were), the name is still that file: the
+`lstat` of the name is replaced by an `fstat` of the kept descriptor, which still gives the
+links (a hard link made elsewhere changes no folder of ours) and the size. Likewise a kept
+folder that the root's listing names with its own inode number, as a folder, is `fstat`ed by
+its descriptor instead of by name; a removed folder (no links left) is never kept.
 """
 
 from __future__ import annotations
