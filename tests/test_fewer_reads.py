@@ -145,6 +145,12 @@ def test_a_known_file_takes_two_fstats_and_four_reads_or_three_without_seqlock(
     w.add_memory(7, 0, "data", MiB)
     (sample,) = s.scan(now_ms=4000)
     assert isinstance(sample, UsageSample) and sample.rows[0].data == 65 * MiB
+    # A process starts: proc_num, which detection probes in layouts without version fields,
+    # moves. Detection is redone from the bytes already read, not from everything read again.
+    calls.update(pread=0)
+    w.add_process(8, 4008)
+    assert [type(e).__name__ for e in s.scan(now_ms=5000)] == ["ProcessStarted", "UsageSample"]
+    assert calls["pread"] == preads
     w.close()
 
 
