@@ -451,6 +451,8 @@ def snapshot_fd(
     proc_num, the slot up to which to read along past it (the writer-fault checks look there;
     reading them with the slots saves those reads), left in `memo.past`."""
     f = _File(fd)
+    if memo is not None:
+        memo.past = None  # until this snapshot reads them along
     if st is None:
         try:
             st = os.fstat(fd)
@@ -466,8 +468,7 @@ def snapshot_fd(
         snap = _snapshot_known(fd, path, size, memo, known, ahead)
         if snap is not None:
             return snap
-    if memo is not None:
-        memo.past = None
+        memo.past = None  # (the attempt may have read them; the general path reads afresh)
     header = f.read_at(0, HEADER_BYTES)
     header_hit = (
         known is not None
