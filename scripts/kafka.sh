@@ -65,6 +65,16 @@ running() {
     grep -qa kafka.Kafka "/proc/$p/cmdline" 2>/dev/null || return 1
 }
 
+# The broker this script has just launched: alive and not a zombie. Until setsid has exec'd
+# java, its cmdline is setsid's (or empty), so `running` would take a slow exec for an exit.
+launched() {
+    local p st
+    p="$(pid)" || return 1
+    read -r st 2>/dev/null <"/proc/$p/stat" || return 1
+    st="${st##*) }"
+    [[ "${st%% *}" != Z ]]
+}
+
 plain_listeners() {
     cat <<EOF
 listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
@@ -154,7 +164,7 @@ fail() {
 wait_ready() {
     local deadline=$((SECONDS + KAFKA_START_TIMEOUT))
     while ((SECONDS < deadline)); do
-        running || fail "broker exited during startup"
+        launched || fail "broker exited during startup"
         # Cheap port check first so python is only started once something listens.
         if (exec 3<>"/dev/tcp/127.0.0.1/$KAFKA_PORT") 2>/dev/null && probe; then
             if [[ "$KAFKA_SECURE" == 1 ]]; then

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
 import uuid
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
@@ -210,3 +213,22 @@ async def test_restart_keeps_topics_and_offsets(
     async with consumer(kafka_bootstrap, kafka_topic, group_id=group) as c:
         batch = await fetch(c, tp)
         assert [r.value for r in batch] == [b"2"]
+
+
+def test_start_waits_for_a_launch_slow_to_become_the_broker(
+    own_broker: PrivateBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a loaded machine the launched process can still be bash's fork or setsid, with no
+    # kafka.Kafka in its cmdline, when the script first looks: that is not an exit. A setsid
+    # that waits a second, under another cmdline, before it becomes the broker makes it certain.
+    args, real = tmp_path / "args", shutil.which("setsid")
+    shim = tmp_path / "setsid"
+    shim.write_text(
+        "#!/bin/bash\n"
+        f"printf '%s\\0' \"$@\" >{args}\n"
+        f'exec bash -c \'sleep 1; mapfile -d "" -t a <{args}; exec {real} "${{a[@]}}"\'\n'
+    )
+    shim.chmod(0o755)
+    own_broker.stop()
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert own_broker.start() == own_broker.bootstrap
