@@ -191,10 +191,16 @@ class CacheWriter:
         slot = self._slot(pid)
         used = slot.used[device]
         mask = (1 << 64) - 1
+        new = type(used).from_buffer_copy(used)
+        field_name = f"{kind}_size"
+        setattr(new, field_name, (getattr(new, field_name) + nbytes) & mask)
+        new.total = (new.total + nbytes) & mask
         with self._bracket(slot):
-            field_name = f"{kind}_size"
-            setattr(used, field_name, (getattr(used, field_name) + nbytes) & mask)
-            used.total = (used.total + nbytes) & mask
+            # One store of the whole entry. HAMi-core's stores of a field and of `total` are
+            # instructions apart; two Python statements can be milliseconds apart (a thread
+            # waits out the GIL's switch interval between them), a window in which two reads of
+            # a layout without a seqlock can agree on a half-done update (README, Consistency).
+            C.memmove(C.addressof(used), C.addressof(new), C.sizeof(new))
 
     def watch(self, samples: dict[int, dict[int, tuple[int, int]]]) -> None:
         """One utilization-watcher cycle: zero monitorused/sm_util of all live slots, then set
