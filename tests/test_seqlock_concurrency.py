@@ -39,7 +39,9 @@ C_SOURCE = Path(__file__).parent / "c" / "seqlock_writer.c"
 NDEV = 4
 PAUSE_NS = 5_000
 HOT_SNAPSHOTS = 100_000
-TIGHT_SECONDS = 2.0
+TIGHT_SECONDS = 2.0  # at least this long
+TIGHT_SNAPSHOTS = 1000  # and at least this many snapshots, on a slow machine within:
+TIGHT_LIMIT_SECONDS = 40.0  # (less than WRITER_SECONDS: the writer must still be running)
 TEETH_SECONDS = 5.0
 WRITER_SECONDS = 60.0  # upper bound; the test stops the writer when done
 
@@ -143,6 +145,13 @@ class Tally:
         )
 
 
+def tight_enough(start: float, tally: Tally) -> bool:
+    elapsed = time.monotonic() - start
+    return elapsed >= TIGHT_SECONDS and (
+        tally.snapshots >= TIGHT_SNAPSHOTS or elapsed >= TIGHT_LIMIT_SECONDS
+    )
+
+
 def take(
     fd: int,
     path: str,
@@ -193,8 +202,8 @@ def test_seqlock_snapshots_are_consistent(
         # --- tight loop: everything returned is consistent; a plain read is not ------------
         tight = Tally()
         with running_writer(writer_exe, path, geo, pause_ns=0):
-            end = time.monotonic() + TIGHT_SECONDS
-            while time.monotonic() < end:
+            start = time.monotonic()
+            while not tight_enough(start, tight):
                 take(fd, str(path), geo, lay.slot_size, tight, plain=True)
             end = time.monotonic() + TEETH_SECONDS
             while tight.plain_inconsistent == 0 and time.monotonic() < end:
@@ -204,7 +213,7 @@ def test_seqlock_snapshots_are_consistent(
         assert tight.plain_inconsistent > 0, "no-seqlock read never saw a torn value: " + (
             tight.report()
         )
-        assert tight.snapshots > 1000, tight.report()
+        assert tight.snapshots >= TIGHT_SNAPSHOTS, tight.report()
 
         # --- hot writer: >= 100 000 snapshots, < 1 % torn ----------------------------------
         hot = Tally()
@@ -241,13 +250,13 @@ def test_memoised_snapshots_are_consistent(writer_exe: Path, tmp_path: Path, nam
     tally = Tally()
     try:
         with running_writer(writer_exe, path, geo, pause_ns=0):
-            end = time.monotonic() + TIGHT_SECONDS
-            while time.monotonic() < end:
+            start = time.monotonic()
+            while not tight_enough(start, tally):
                 take(fd, str(path), geo, lay.slot_size, tally, plain=False, memo=memo)
     finally:
         os.close(fd)
     assert tally.inconsistent == [], tally.report()
-    assert tally.snapshots > 1000 and tally.entries_checked > 0, tally.report()
+    assert tally.snapshots >= TIGHT_SNAPSHOTS and tally.entries_checked > 0, tally.report()
     assert tally.torn > 0, tally.report()  # caught mid-update: the fallback ran
     fd = os.open(path, os.O_RDONLY)
     try:  # the writer has stopped: the memo gives what a fresh read gives
