@@ -55,10 +55,11 @@ class StandIn:
         return self._batches[self._next - 1]
 
 
-def child(tree: str, rows: int, inner: int, profile: str | None) -> None:
-    sys.path.insert(0, str(Path(tree) / "bench"))
-    sys.path.insert(0, tree)
-    import bench_e2e  # the tree's own: it imports that tree's collector
+def stream(rows: int) -> tuple[list[dict[Any, list[Any]]], int]:
+    """bench_e2e's stream of `rows` usage rows as aiokafka `ConsumerRecord`s in `getmany`
+    batches (up to 5000 records of one partition, round robin), and its message count; made
+    with the collector and `bench_e2e` first on `sys.path`."""
+    import bench_e2e
     from aiokafka.structs import ConsumerRecord, TopicPartition
 
     from collector.events import encode
@@ -80,7 +81,15 @@ def child(tree: str, rows: int, inner: int, profile: str | None) -> None:
             if pos[p] < len(parts[p]):
                 batches.append({tps[p]: parts[p][pos[p] : pos[p] + 5000]})
                 pos[p] += 5000
-    total = len(events)
+    return batches, len(events)
+
+
+def child(tree: str, rows: int, inner: int, profile: str | None) -> None:
+    sys.path.insert(0, str(Path(tree) / "bench"))
+    sys.path.insert(0, tree)
+    import bench_e2e  # the tree's own: it imports that tree's collector
+
+    batches, total = stream(rows)
     import collector.aggregate.service  # noqa: F401  (drive imports it: not the part measured)
 
     if inner == 0:  # the stream alone (the part of a run under --valgrind to subtract)

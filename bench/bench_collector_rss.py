@@ -31,6 +31,7 @@ from bench_collector import build  # noqa: E402
 from bench_collector_scale import steady_step  # noqa: E402
 
 from collector.node.scan import Scanner  # noqa: E402
+from collector.runtime import tune_gc  # noqa: E402
 
 MiB = 1 << 20
 
@@ -55,6 +56,7 @@ def slope(points: list[tuple[float, float]]) -> float:
 def collect(args: argparse.Namespace, root: Path) -> int:
     """The collector's side, in its own process: scan, sample RSS, print the figures."""
     load0 = os.getloadavg()
+    tune_gc()  # as the collector service does once it has started
     scanner = Scanner(root, heartbeat_s=30, inc=1)
     before = rss_bytes()
     start = time.monotonic()
@@ -90,7 +92,10 @@ def collect(args: argparse.Namespace, root: Path) -> int:
         f"over {samples[-1][0]:.1f} min ({late} late); load average {load0[0]:.2f} at start, "
         f"{load1[0]:.2f} at end ({os.cpu_count()} CPUs)"
     )
-    print(f"  scan CPU: median {statistics.median(cpu):.1f} ms (first scan {cpu[0]:.1f} ms)")
+    print(
+        f"  scan CPU: median {statistics.median(cpu):.1f} ms, mean {statistics.fmean(cpu):.1f} ms "
+        f"(first scan {cpu[0]:.1f} ms)"
+    )
     print(
         f"  RSS of the collector process: before the first scan {before / MiB:.1f} MiB; after "
         f"warm-up ({cut:.1f} min) {warm:.1f} MiB; at the end {samples[-1][1]:.1f} MiB; "

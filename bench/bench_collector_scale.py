@@ -4,7 +4,10 @@ Each node is built like bench_collector.py's (every layout in turn, 4 processes 
 totals in the GiB range, folders older than the listing's two-second window), all of them in
 one run; the scans are interleaved (one scan of each node per round, in turn) so load drift on
 this shared machine hits every size alike. A scan is timed with `time.process_time` (CPU of
-the whole process) and the writer's changes between scans are not timed.
+the whole process) and the writer's changes between scans are not timed. The garbage
+collector runs with the collector service's settings (`collector.runtime.tune_gc`, applied
+once the nodes are built). Printed: the median CPU per scan and, beside it, the mean (a
+collection of the old generation lands in one scan of many: a core's budget is the mean).
 
 Two kinds of node, both printed:
 
@@ -48,6 +51,7 @@ from bench_collector import build  # noqa: E402
 
 from collector.node.discover import ListingLimits  # noqa: E402
 from collector.node.scan import Scanner  # noqa: E402
+from collector.runtime import tune_gc  # noqa: E402
 from collector.simulate import MiB, NodeSimulator  # noqa: E402
 
 
@@ -134,6 +138,7 @@ def main() -> int:
         # Folders just made are within the timestamp window (see discover.py): on a node in
         # steady state they are older.
         time.sleep(2.1)
+        tune_gc()  # as the collector service does once it has started
         cpu: dict[tuple[str, int, bool], list[float]] = {(k, n, r): [] for k, n, r, _, _ in runs}
         events: dict[tuple[str, int, bool], list[int]] = {(k, n, r): [] for k, n, r, _, _ in runs}
         for r in range(args.rounds):
@@ -165,7 +170,8 @@ def main() -> int:
     )
     print(
         f"  {'node':<7} {'containers':>10} {'processes':>9} {'reuse':>5} "
-        f"{'CPU ms/scan':>11} {'us/container':>12} {'% core @1Hz':>11} {'events':>7}"
+        f"{'CPU ms/scan':>11} {'us/container':>12} {'% core @1Hz':>11} {'mean ms':>8} "
+        f"{'events':>7}"
     )
     med = {key: statistics.median(v) for key, v in cpu.items()}
     for kind, n, reuse, _, _ in runs:
@@ -173,7 +179,8 @@ def main() -> int:
         ev = statistics.median(events[kind, n, reuse])
         print(
             f"  {kind:<7} {n:>10} {procs[n]:>9} {'on' if reuse else 'off':>5} {m:>11.2f} "
-            f"{m / n * 1000:>12.1f} {m / 10:>11.2f} {ev:>7.0f}"
+            f"{m / n * 1000:>12.1f} {m / 10:>11.2f} "
+            f"{statistics.fmean(cpu[kind, n, reuse]):>8.2f} {ev:>7.0f}"
         )
     if args.reuse_off:
         for kind in kinds:
@@ -181,16 +188,19 @@ def main() -> int:
                 print(
                     f"  {kind} {n}: reuse off / on = {med[kind, n, False] / med[kind, n, True]:.2f}"
                 )
+    mean = {key: statistics.fmean(v) for key, v in cpu.items()}
     if 256 in sizes and "steady" in kinds:
-        m = med["steady", 256, True]
-        verdict = "met" if m <= 5 else "NOT met"
-        print(f"  goal steady 256 <= 0.5 % of a core: {m / 10:.2f} %: {verdict}")
+        m, a = med["steady", 256, True], mean["steady", 256, True]
+        verdict = "met" if max(m, a) <= 5 else "NOT met"
+        print(
+            f"  goal steady 256 <= 0.5 % of a core: {m / 10:.2f} % (mean {a / 10:.2f} %): {verdict}"
+        )
     if 5000 in sizes:
         for kind in kinds:
-            m = med[kind, 5000, True]
+            m, a = med[kind, 5000, True], mean[kind, 5000, True]
             print(
-                f"  goal {kind} 5000 <= 120 ms CPU per scan: {m:.1f} ms: "
-                f"{'met' if m <= 120 else 'NOT met'}"
+                f"  goal {kind} 5000 <= 120 ms CPU per scan: {m:.1f} ms (mean {a:.1f} ms): "
+                f"{'met' if max(m, a) <= 120 else 'NOT met'}"
             )
     return 0
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..events import Event, encode
+from ..runtime import tune_gc
 from ..transport.kafka import KafkaForwarder, ProducerSettings
 from ..transport.locallog import LocalLog, LogReader
 from .crosscheck import CrossCheck, DriftTolerance
@@ -330,6 +331,7 @@ async def collect(settings: CollectSettings) -> Collector:
     """Raises KubeConfigError before anything starts when the pod watch cannot be configured."""
     api = await open_api(settings.kube) if settings.kube is not None else None
     collector = Collector(settings, kube_api=api)
+    tune_gc()  # start-up is over: the Kubernetes and Kafka clients are imported
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, collector.stopping.set)
