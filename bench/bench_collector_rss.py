@@ -8,7 +8,10 @@ read from /proc/self/status. Printed: RSS before the first scan, after warm-up (
 over the samples after warm-up, in MiB per minute and per hour. Flat means the slope stays
 within noise (a few hundred KiB over the run).
 
-    .venv/bin/python bench/bench_collector_rss.py [--minutes 10] [--containers 5000]
+    .venv/bin/python bench/bench_collector_rss.py [--minutes 10] [--containers 5000] [--python-gc]
+
+The collector runs with the service's garbage-collector settings (`collector.runtime`);
+`--python-gc` keeps Python's.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def slope(points: list[tuple[float, float]]) -> float:
 def collect(args: argparse.Namespace, root: Path) -> int:
     """The collector's side, in its own process: scan, sample RSS, print the figures."""
     load0 = os.getloadavg()
-    tune_gc()  # as the collector service does once it has started
+    if not args.python_gc:
+        tune_gc()  # as the collector service does once it has started
     scanner = Scanner(root, heartbeat_s=30, inc=1)
     before = rss_bytes()
     start = time.monotonic()
@@ -121,6 +125,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the run (default 0.2)")
     ap.add_argument("--churn", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--python-gc",
+        action="store_true",
+        help="keep Python's garbage-collector settings, not the collector's (for comparison)",
+    )
     ap.add_argument("--collect", metavar="ROOT", help=argparse.SUPPRESS)  # the child's side
     args = ap.parse_args()
     if args.collect:

@@ -62,11 +62,7 @@ class GcClock:
 
 
 def set_up(setting: str) -> None:
-    """As a service starts: its imports, then the setting (`tuned`: `tune_gc`)."""
-    import kubernetes_asyncio.client  # noqa: F401  (the pod watch's client: open_api imports it)
-
-    import collector.aggregate.service  # noqa: F401
-    import collector.node.service  # noqa: F401
+    """As a service starts, after its imports: the setting (`tuned`: `tune_gc`)."""
     from collector.runtime import tune_gc
 
     if setting == "tuned":
@@ -83,6 +79,9 @@ def rss_mib() -> float:
 
 def scanner_child(root: str, setting: str) -> int:
     """One scanner: a scan for each line on stdin, a JSON line of its costs on stdout."""
+    import kubernetes_asyncio.client  # noqa: F401  (the pod watch's client: open_api imports it)
+
+    import collector.node.service  # noqa: F401
     from collector.node.scan import Scanner
 
     set_up(setting)
@@ -185,6 +184,8 @@ def collector_part(containers: int, scans: int, seed: int) -> None:
 def aggregator_child(setting: str, rows: int, inner: int) -> int:
     import bench_aggregate_ab
     import bench_e2e
+
+    import collector.aggregate.service  # noqa: F401
 
     batches, total = bench_aggregate_ab.stream(rows)
     set_up(setting)

@@ -263,3 +263,63 @@ def test_a_settled_folder_replaced_by_another_is_reopened(
     assert [d.limit_bytes for d in appeared.devices] == [3 * GiB]  # the new folder's file
     assert ContainerGone in [type(e) for e in events]
     w2.close()
+
+
+def _large_bytes(root: object, size: int) -> set[int]:
+    """The ids of the bytes objects of at least `size` bytes that `root` refers to, at any depth
+    (through tuples, lists, dicts and objects)."""
+    import gc
+
+    found: set[int] = set()
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, bytes):
+            if len(obj) >= size:
+                found.add(id(obj))
+            continue
+        todo += [r for r in gc.get_referents(obj) if not isinstance(r, type)]
+    return found
+
+
+@pytest.mark.parametrize("layout", [V12, V0A], ids=["v1.2", "v0a"])
+def test_an_unchanged_file_is_held_once_not_once_a_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: Any
+) -> None:
+    """The reads of the header and slots that equal bytes already held are kept as those bytes:
+    the memo, the slots read along and the writer-fault checks' memo share one copy."""
+    monkeypatch.setattr(discover, "TIMESTAMP_WINDOW_NS", int(WINDOW_S * 1e9))
+    d = tmp_path / f"{POD}_main"
+    d.mkdir()
+    w = CacheWriter(d / "a.cache", layout, [SimDevice(GPU0, GiB)])
+    for pid in (7, 8, 9):
+        w.add_process(pid, 4000 + pid)
+        w.add_memory(pid, 0, "data", 64 * MiB)
+    os.utime(d, (OLD, OLD))
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    try:
+        s.scan(now_ms=1000)  # the file appears
+        time.sleep(WINDOW_S + 0.05)
+        held: list[set[int]] = []
+        for n in range(2, 7):
+            w.kernel_launched(time.time() + n)  # the tail moves every scan, as on a busy GPU
+            s.scan(now_ms=1000 * n)
+            ((key, memo),) = s._memos.items()
+            assert memo.past is not None  # read by the known file's path
+            size = len(memo.past[2])
+            held.append(_large_bytes((memo, s.writer_faults._files[key]), size))
+        # Once the file is known and its slots are unchanged: one object, the same each scan.
+        assert [len(h) for h in held[1:]] == [1, 1, 1, 1]
+        assert held[1] == held[2] == held[3] == held[4]
+        w.add_memory(7, 0, "data", MiB)  # a change: new bytes, held once again
+        s.scan(now_ms=7000)
+        s.scan(now_ms=8000)
+        ((key, memo),) = s._memos.items()
+        now = _large_bytes((memo, s.writer_faults._files[key]), size)
+        assert len(now) == 1 and now != held[4]
+    finally:
+        w.close()
