@@ -124,17 +124,23 @@ def test_a_changing_odd_seqlock_is_never_taken_as_stuck(
         assert [k for k, *_ in kinds(s.scan())] in ([], ["torn_read"]), i
 
 
-def stranded(tmp_path: Path, writers: list[FaultyWriter]) -> tuple[FaultyWriter, Scanner]:
+def stranded(
+    tmp_path: Path, writers: list[FaultyWriter], layout: Any = V12
+) -> tuple[FaultyWriter, Scanner]:
     """Pids 10, 11, 12 with 1 GiB each, scanned; 11 exits and a compaction copies 12 into
-    slot 1, but 12 keeps writing slot 2, beyond proc_num."""
-    w = writer(tmp_path, writers, "stale-pointer")
+    slot 1, but 12 keeps writing slot 2, beyond proc_num. (Without a seqlock an exit takes its
+    slot away at once: there 11 is killed, and the compaction takes its slot.)"""
+    w = writer(tmp_path, writers, "stale-pointer", layout=layout)
     for pid in (10, 11, 12):
         w.add_process(pid, 1000 + pid)
         w.add_memory(pid, 0, "data", GiB)
     s = scanner(tmp_path)
     s.scan()
-    w.exit(11)
-    w.compact()
+    if layout.slot_seqlock is not None:
+        w.exit(11)
+        w.compact()
+    else:
+        w.compact({11})
     assert (w.proc_num, w.pointer) == (2, {12: 2})
     return w, s
 
@@ -152,6 +158,56 @@ def test_a_stale_slot_pointer_after_compaction_is_followed(
     assert billed(s) == truth(w) == {0: 5 * GiB, 1: GiB}
     w.add_memory(12, 0, "data", -GiB)
     assert rows(s.scan()) == {(12, 0): 3 * GiB}  # followed from then on
+
+
+def test_without_a_seqlock_a_stale_pointer_is_followed_while_its_copy_below_stays(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    """Without a seqlock to count a process's updates, the evidence is that its copy below
+    proc_num stayed as it was while the slot past proc_num changed."""
+    w, s = stranded(tmp_path, writers, V0A)
+    s.scan()
+    w.add_memory(12, 0, "data", 3 * GiB)  # through the stale pointer: slot 2 only
+    events = s.scan()
+    assert kinds(events) == [("orphaned_slot", 2, 12)]
+    assert rows(events) == {(12, 0): 4 * GiB}
+    assert billed(s) == truth(w) == {0: 5 * GiB, 1: 0}
+
+
+def test_without_a_seqlock_a_copy_below_that_changed_is_no_evidence(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    """The slot past proc_num changed, but so did the copy below (a second compaction copied the
+    mover down again): nothing tells which one the process writes, so no orphan is reported and
+    the copy below, now the same bytes, is billed."""
+    w, s = stranded(tmp_path, writers, V0A)
+    s.scan()
+    w.add_memory(12, 0, "data", 3 * GiB)
+    C.memmove(C.addressof(w.region.procs[1]), C.addressof(w.region.procs[2]), V0A.slot_size)
+    events = s.scan()
+    assert kinds(events) == []
+    assert rows(events) == {(12, 0): 4 * GiB}
+
+
+def test_the_checks_forget_the_copies_of_processes_that_are_gone() -> None:
+    """What the checks keep per file (the copy below proc_num of each process seen writing past
+    it) is bounded by the processes there now, not by every process the container ever ran."""
+    with tempfile.TemporaryDirectory() as tmp:
+        node = FaultyNode(Path(tmp), 4, "v0a", faults={"stale-pointer"}, seed=5)
+        s = Scanner(Path(tmp), heartbeat_s=3600, inc=1)
+        kept: set[tuple[int, int]] = set()
+        try:
+            for step in range(300):
+                node.step(1_700_000_000 + step)
+                s.scan(now_ms=1_700_000_000_000 + step * 1000)
+                for key, snap in s._snaps.items():
+                    here = {(p.pid, p.hostpid) for p in snap.procs}
+                    below = s.writer_faults._files[key].below
+                    kept |= below.keys()
+                    assert below.keys() <= here, step
+        finally:
+            node.close()
+    assert len(kept) >= 10  # the checks did keep copies, of many processes over the run
 
 
 def test_a_new_process_given_the_slot_a_stale_pointer_writes_is_flagged(

@@ -311,7 +311,11 @@ class WriterFaults:
             )
             anomalies.append(Anomaly("orphaned_slot", detail, slot=k, value=proc.pid))
         w.beyond = seen
-        w.below = {**w.below, **below}
+        # A copy is looked up only for a process with a slot below proc_num: the copies of
+        # processes no longer there are dropped (kept, they grew with every process a
+        # container ever ran).
+        live = {(p.pid, p.hostpid) for p in snap.procs if p.slot < n}
+        w.below = {key: raw for key, raw in {**w.below, **below}.items() if key in live}
         w.orphans &= seen.keys()
         return first if first == second else None
 
