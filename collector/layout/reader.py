@@ -673,7 +673,7 @@ def _snapshot_known(
     last = memo.last
     # Bytes equal to bytes already held are held as that one object: an unchanged file is
     # kept once (in `memo.last`, `memo.past` and the writer-fault checks' memo), not once a
-    # scan and a read (at 5000 containers that was half the collector's memory).
+    # scan and a read (at 5000 containers that was a third of the collector's memory).
     if last is not None and last[2] == data:
         data = last[2]
     if after == data:
