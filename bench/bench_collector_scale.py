@@ -174,13 +174,14 @@ def main() -> int:
         f"{'events':>7}"
     )
     med = {key: statistics.median(v) for key, v in cpu.items()}
+    mean = {key: statistics.fmean(v) for key, v in cpu.items()}
     for kind, n, reuse, _, _ in runs:
         m = med[kind, n, reuse]
         ev = statistics.median(events[kind, n, reuse])
         print(
             f"  {kind:<7} {n:>10} {procs[n]:>9} {'on' if reuse else 'off':>5} {m:>11.2f} "
             f"{m / n * 1000:>12.1f} {m / 10:>11.2f} "
-            f"{statistics.fmean(cpu[kind, n, reuse]):>8.2f} {ev:>7.0f}"
+            f"{mean[kind, n, reuse]:>8.2f} {ev:>7.0f}"
         )
     if args.reuse_off:
         for kind in kinds:
@@ -188,7 +189,6 @@ def main() -> int:
                 print(
                     f"  {kind} {n}: reuse off / on = {med[kind, n, False] / med[kind, n, True]:.2f}"
                 )
-    mean = {key: statistics.fmean(v) for key, v in cpu.items()}
     if 256 in sizes and "steady" in kinds:
         m, a = med["steady", 256, True], mean["steady", 256, True]
         verdict = "met" if max(m, a) <= 5 else "NOT met"

@@ -69,17 +69,10 @@ def set_up(setting: str) -> None:
         tune_gc()
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def scanner_child(root: str, setting: str) -> int:
     """One scanner: a scan for each line on stdin, a JSON line of its costs on stdout."""
     import kubernetes_asyncio.client  # noqa: F401  (the pod watch's client: open_api imports it)
+    from bench_collector_rss import MiB, rss_bytes
 
     import collector.node.service  # noqa: F401
     from collector.node.scan import Scanner
@@ -98,7 +91,12 @@ def scanner_child(root: str, setting: str) -> int:
         c0 = time.process_time()
         scanner.scan(now_ms=now_ms)
         cpu = time.process_time() - c0
-        out = {"cpu": cpu, "gc": clock.seconds - gc_s, "n": clock.count - gc_n, "rss": rss_mib()}
+        out = {
+            "cpu": cpu,
+            "gc": clock.seconds - gc_s,
+            "n": clock.count - gc_n,
+            "rss": rss_bytes() / MiB,
+        }
         print(json.dumps(out), flush=True)
     return 0
 
