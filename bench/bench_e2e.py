@@ -18,6 +18,8 @@ container samples every process on every device once a second) plus a heartbeat 
   with its records written to a CSV sink (fsync'd, as before a commit), and at the end of the
   input `flush()` like `--drain`, so every row is applied, integrated and closed in the timed
   part (without it the records of the last max_skew of event time would stay pending).
+* fetch only: the same consumer in a group of its own, every batch dropped. No job on this
+  consumer can be faster: its ratio to Quix is the ceiling of ours.
 * quix: a Quix Streams application (run as a subprocess of `--quix-python`) on the same topic:
   the same msgspec decode of the same event schema, a stateful step per node that integrates
   every row key exactly like ours (previous total x time to this sample, capped at max_gap)
@@ -290,6 +292,29 @@ async def ours(
     return Result(seen, usage_rows, ended - started, written, cpu)
 
 
+async def fetch_only(
+    bootstrap: str, topic: str, messages: int, usage_rows: int, **client: object
+) -> Result:
+    """The consumer of `ours` alone: its `getmany` batches to the `messages`-th message, and
+    nothing done with them. Its rate bounds what any job on this consumer can reach."""
+    consumer = await subscribe(bootstrap, topic, f"bench-fetch-{uuid.uuid4().hex[:8]}", **client)
+    try:
+        seen = 0
+        started: float | None = None
+        cpu0 = 0.0
+        while seen < messages:
+            batch = await consumer.getmany(timeout_ms=500, max_records=5000)
+            if batch and started is None:
+                started = time.monotonic()
+                cpu0 = time.process_time()
+            seen += sum(len(msgs) for msgs in batch.values())
+        ended = time.monotonic()
+        cpu = time.process_time() - cpu0
+    finally:
+        await consumer.stop()
+    return Result(seen, usage_rows, ended - (started or ended), 0, cpu)
+
+
 # The Quix Streams job. argv: repo, bootstrap, topic, messages, state dir.
 QUIX_APP = r'''
 import json, sys, time
@@ -429,8 +454,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     mine: list[Result] = []
     theirs: list[Result] = []
+    fetched: list[Result] = []
     for i in range(args.repeat):
         gc.collect()
+        f = asyncio.run(fetch_only(bootstrap, topic, len(events), usage_rows))
+        fetched.append(f)
+        print(
+            f"  round {i + 1} (load {load()}): fetch only {f.messages:,} messages, "
+            f"{f.seconds:.3f} s ({f.cpu:.3f} s CPU), {f.rate:,.0f} samples/s"
+        )
         r = asyncio.run(ours(bootstrap, topic, len(events), usage_rows))
         mine.append(r)
         print(
@@ -445,7 +477,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"  round {i + 1} (load {load()}): quix {q.messages:,} messages, {q.records:,} "
                 f"windows closed, {q.seconds:.3f} s ({q.cpu:.3f} s CPU), {q.rate:,.0f} samples/s"
             )
+    summary("fetch only (the same aiokafka consumer, records dropped)", fetched)
     summary("ours (aiokafka + msgspec + Aggregator + CSV sink)", mine)
+    fetch_rate = statistics.median(r.rate for r in fetched)
+    ours_rate = statistics.median(r.rate for r in mine)
+    print(
+        f"  fetching is {ours_rate / fetch_rate:.0%} of our time by medians; the rest, "
+        f"{1 - ours_rate / fetch_rate:.0%}, is decoding, windowing and the sink"
+    )
     if theirs:
         summary(f"quix (Quix Streams {version}, stateful apply + tumbling_window sum)", theirs)
         ratio = statistics.median(r.rate for r in mine) / statistics.median(q.rate for q in theirs)
@@ -458,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
             f"per round: "
             + ", ".join(f"{a.rate / b.rate:.2f}x" for a, b in zip(mine, theirs, strict=True))
             + f"; per CPU second by medians: {per_cpu:.2f}x"
+        )
+        ceiling = fetch_rate / statistics.median(q.rate for q in theirs)
+        print(
+            f"  ceiling: the consumer alone is {ceiling:.2f}x quix by medians (a job that took "
+            f"no time after the fetch would reach that ratio, no more)"
         )
     print(f"  python {sys.version.split()[0]}, load average at the end {load()}")
     return 0
