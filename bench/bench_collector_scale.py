@@ -103,10 +103,10 @@ def calls_alone(scanner: Scanner) -> Callable[[], int]:
             memo = scanner._memos.get((os.path.join(discovery.root, dir_name, name), kept[2]))
             if memo is None or memo.header is None or memo.past is None:
                 continue
-            layout = memo.header.found.layout
+            hdr = memo.header
+            layout = hdr.found.layout
             assert layout is not None
             reads = 3 if layout.slot_seqlock is not None else 2
-            hdr = memo.header
             plan.append((held.fd, kept[0], hdr.hi - hdr.lo, hdr.lo, len(memo.past[2]), reads))
     fstat, pread = os.fstat, os.pread
 
