@@ -6,6 +6,7 @@ sequence a `Scanner` with a fixed incarnation and explicit sample times produces
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -28,10 +29,20 @@ from collector.events import (
     ProcessStarted,
     UsageRow,
     UsageSample,
+    encode,
 )
-from collector.layout.declarations import LAYOUTS, MAGIC, V0A, V11, V11_INTERIM, V12, Layout
+from collector.layout.declarations import (
+    LAYOUTS,
+    MAGIC,
+    MAX_PROCS,
+    V0A,
+    V11,
+    V11_INTERIM,
+    V12,
+    Layout,
+)
 from collector.layout.reader import read_snapshot
-from collector.node.scan import HEARTBEAT_PART, Scanner
+from collector.node.scan import HEARTBEAT_PART, HEARTBEAT_PART_BYTES, Scanner
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice, new_cache_file
 
 INC = 77
@@ -251,6 +262,103 @@ def test_open_error_is_an_unreadable_anomaly(
         anomaly(w, "unreadable", "open: Permission denied"),
     ]
     assert h.scan() == []
+
+
+def two_running(writers: list[CacheWriter], root: Path) -> tuple[CacheWriter, CacheWriter]:
+    """Containers "a" and "b", each with process 1 holding 1 GiB on device 0."""
+    a, b = make(writers, root, V12, container="a"), make(writers, root, V12, container="b")
+    for w in (a, b):
+        w.add_process(1, 4001)
+        w.add_memory(1, 0, "data", GiB)
+    return a, b
+
+
+@pytest.mark.parametrize("errno_", [errno.EMFILE, errno.EIO])
+def test_a_failed_listing_of_the_root_ends_nothing(
+    root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch, errno_: int
+) -> None:
+    a, b = two_running(writers, root)
+    h = Harness(root)
+    h.scan()
+    real = os.scandir
+
+    def failing(path: Any) -> Any:
+        if path == h.scanner.discovery._root_fd:
+            raise OSError(errno_, os.strerror(errno_))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", failing)
+    # Unusable for this scan, like a file that cannot be opened: no ContainerGone, no exits.
+    assert h.scan() == [
+        ev(LayoutAnomaly, cid=-1, path=str(root), anomaly="skipped_path",
+           detail=f"cannot list the root: {os.strerror(errno_)}"),
+        anomaly(a, "unreadable", f"{a.path.parent}: not listed", cid=0),
+        anomaly(b, "unreadable", f"{b.path.parent}: not listed", cid=1),
+    ]  # fmt: skip
+    monkeypatch.undo()
+    a.add_memory(1, 0, "data", MiB)
+    # The same containers (cids 0 and 1), restated whole: nothing appears or starts again.
+    assert h.scan() == [
+        ev(UsageSample, cid=0, rows=[row(1, 4001, 0, data=GiB + MiB), row(1, 4001, 1)]),
+        ev(UsageSample, cid=1, rows=[row(1, 4001, 0, data=GiB), row(1, 4001, 1)]),
+    ]
+    assert h.scan() == []
+
+
+def test_a_failed_listing_of_a_container_folder_ends_nothing(
+    root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = two_running(writers, root)
+    h = Harness(root)
+    h.scan()
+    discovery = h.scanner.discovery
+    real = discovery._open_dir
+
+    def failing(name: str) -> Any:
+        if name == a.path.parent.name:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(name)
+
+    monkeypatch.setattr(discovery, "_open_dir", failing)
+    os.utime(a.path.parent, ns=(T0 * 10**6, T0 * 10**6))  # listed again: its mtime moved
+    b.exit(1)
+    assert h.scan() == [
+        ev(LayoutAnomaly, cid=-1, path=str(a.path.parent), anomaly="skipped_path",
+           detail="cannot list: Input/output error"),
+        ev(ProcessExited, cid=1, pid=1, hostpid=4001),
+        anomaly(a, "unreadable", f"{a.path.parent}: not listed", cid=0),
+    ]  # fmt: skip
+    monkeypatch.undo()
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 4001, 0, data=GiB), row(1, 4001, 1)])]
+
+
+def test_a_heartbeat_part_stays_under_a_kafka_request(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    """A tenant can fill every slot of its file on 16 devices: its state is about 1 MB, and
+    two of them in one part would be more than a Kafka request carries (1 MiB by default)."""
+    sixteen = [SimDevice(f"GPU-{i:08x}-2222-4333-8444-5555", 80 * GiB, 100) for i in range(16)]
+    big = [make(writers, root, V12, container=f"big{i}", devices=sixteen) for i in range(2)]
+    small = [make(writers, root, V12, container=f"small{i}") for i in range(3)]
+    for w in big:
+        for k in range(MAX_PROCS):
+            w.add_process(1_000_000 + k, 2_000_000 + k)
+            for d in range(16):
+                w.add_memory(1_000_000 + k, d, "data", 4 * GiB + k)  # 9 bytes each, and total
+    for w in small:
+        w.add_process(1, 4001)
+        w.add_memory(1, 0, "data", GiB)
+    h = Harness(root, heartbeat_s=5)
+    hbs = [e for e in h.scan_all(0) if isinstance(e, Heartbeat)]
+    assert [(hb.part, hb.parts, [c.container for c in hb.containers]) for hb in hbs] == [
+        (0, 3, ["big0"]),
+        (1, 3, ["big1"]),
+        (2, 3, ["small0", "small1", "small2"]),
+    ]
+    sizes = [len(encode(hb)) for hb in hbs]
+    assert sizes[0] < 1 << 20 and sizes[1] < 1 << 20 < sizes[0] + sizes[1]
+    assert sizes[2] < HEARTBEAT_PART_BYTES
+    assert [len(hb.containers[0].rows) for hb in hbs[:2]] == [MAX_PROCS * 16] * 2
 
 
 # --- processes ------------------------------------------------------------------------------

@@ -143,6 +143,9 @@ class Discovery:
         self._listed_before: dict[str, _Dir] = {}
         self._paths: dict[str, str] = {}  # name in the root -> its path
         self.max_open = _fd_bound(self.limits.open_files)
+        # Folders this scan could not list (the root's own path when the root's listing
+        # failed): what was found in them before is unknown now, not gone.
+        self.unlisted: set[str] = set()
 
     def close(self) -> None:
         """Close every descriptor (the root and the kept ones)."""
@@ -164,11 +167,13 @@ class Discovery:
         # The root itself is the operator's setting (it may be a symlink, e.g. a host path);
         # everything below it is the tenants'. Reopened each scan in case it was remounted.
         self._close_root()
+        self.unlisted = set()
         try:
             self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             # scandir(fd) lists a dup of the descriptor: ours keeps its offset for openat.
             entries = sorted(os.scandir(self._root_fd), key=lambda e: e.name)  # stable cid order
         except OSError as exc:
+            self.unlisted.add(str(self.root))
             return [], [Skipped(str(self.root), f"cannot list the root: {exc.strerror}")]
         skipped: list[Skipped] = []
         dirs: list[tuple[str, str, int]] = []  # (name, path, mtime_ns) of container directories
@@ -292,7 +297,7 @@ class Discovery:
             d.mtime_ns = -1  # gone since the stat: nothing to list
             return d
         except OSError as exc:
-            return _unlisted(d, path, exc)
+            return self._unlisted(d, path, exc)
         try:
             found = []
             with os.scandir(fd) as it:
@@ -301,7 +306,7 @@ class Discovery:
                     if entry.name.endswith(".cache"):
                         found.append(entry)
         except OSError as exc:
-            return _unlisted(d, path, exc)
+            return self._unlisted(d, path, exc)
         finally:
             os.close(fd)
         for entry in sorted(found, key=lambda e: e.name):
@@ -318,6 +323,15 @@ class Discovery:
             except OSError:
                 continue
             d.files.append(CacheFile(pod_uid, container, file_path, ino))
+        return d
+
+    def _unlisted(self, d: _Dir, path: str, exc: OSError) -> _Dir:
+        if exc.errno == errno.ELOOP:
+            d.skipped.append(Skipped(path, SYMLINK))  # swapped for a symlink: not ours now
+        else:
+            d.skipped.append(Skipped(path, f"cannot list: {exc.strerror}"))
+            self.unlisted.add(path)
+        d.mtime_ns = -1  # never a cache hit: list it again next scan
         return d
 
     def open(self, f: CacheFile) -> Opened | Skipped:
@@ -455,10 +469,3 @@ def _fd_bound(wanted: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return wanted
     return max(0, min(wanted, soft - FD_RESERVE))
-
-
-def _unlisted(d: _Dir, path: str, exc: OSError) -> _Dir:
-    reason = SYMLINK if exc.errno == errno.ELOOP else f"cannot list: {exc.strerror}"
-    d.skipped.append(Skipped(path, reason))
-    d.mtime_ns = -1  # never a cache hit: list it again next scan
-    return d

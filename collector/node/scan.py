@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from ..events import (
     SCHEMA_VERSION,
     CollectorStarted,
@@ -32,7 +34,11 @@ from .identity import IdentityStage
 from .presence import PresenceStage
 from .writer_faults import WriterFaults, WriterFaultSettings
 
-HEARTBEAT_PART = 64  # containers per heartbeat message, to keep messages well under 1 MB
+# A heartbeat is sent in parts of at most 64 containers and, past the first, 256 KiB of them:
+# a Kafka request carries 1 MiB by default, and one container's state can be near that (every
+# slot of a v1.2 file live on 16 devices: 0.98 MB), so such a state goes in a part of its own.
+HEARTBEAT_PART = 64
+HEARTBEAT_PART_BYTES = 256 * 1024
 
 
 @dataclass
@@ -162,6 +168,8 @@ class Scanner:
             present[key] = st
         if presence is not None:
             presence.end()
+        if self.discovery.unlisted:
+            events += self._keep_unlisted(present, seen)
         self._report_skipped(refused, skipped_now, events)
         if present.keys() != self._files.keys():
             self.writer_faults.keep(present)  # (it keeps those of this scan's files only)
@@ -203,6 +211,26 @@ class Scanner:
                 states[key] = state if state is not None else st.state()
         self._states = states
         self.published = [(s, self._files[k].last_kernel_time) for k, s in states.items()]
+        return events
+
+    def _keep_unlisted(
+        self, present: dict[tuple[str, int], FileState], seen: dict[tuple[str, int], Snapshot]
+    ) -> list[Event]:
+        """Files not found because their folder, or the root, could not be listed this scan
+        (EMFILE, EIO, a remount): unusable for this scan, like a file that cannot be opened
+        (diff keeps their processes, and the next good scan restates them), not gone."""
+        unlisted = self.discovery.unlisted
+        whole = str(self.discovery.root) in unlisted
+        events: list[Event] = []
+        for key in sorted(self._files.keys() - present.keys()):
+            folder = os.path.dirname(key[0])
+            if whole or folder in unlisted:
+                st = self._files[key]
+                snap = empty_snapshot(key[0], 0, [Anomaly("unreadable", f"{folder}: not listed")])
+                events += diff(st, snap, self._stamp, host_proc=self.host_proc,
+                               policy=self.presence_policy)  # fmt: skip
+                seen[key] = snap
+                present[key] = st
         return events
 
     def _report_skipped(
@@ -268,8 +296,7 @@ class Scanner:
         states = [
             st.state() for _, st in sorted(self._files.items()) if st.appeared and not st.unobserved
         ]
-        parts = [states[i : i + HEARTBEAT_PART] for i in range(0, len(states), HEARTBEAT_PART)]
-        parts = parts or [[]]
+        parts = _parts(states)
         return [
             self._stamp(
                 Heartbeat,
@@ -286,6 +313,22 @@ class Scanner:
             )
             for i, part in enumerate(parts)
         ]
+
+
+def _parts(states: list[ContainerState]) -> list[list[ContainerState]]:
+    """`states` in order, cut into heartbeat parts (see HEARTBEAT_PART); one empty part if none."""
+    parts: list[list[ContainerState]] = [[]]
+    size = 0
+    for state in states:
+        n = len(msgspec.msgpack.encode(state))
+        part = parts[-1]
+        if part and (len(part) == HEARTBEAT_PART or size + n > HEARTBEAT_PART_BYTES):
+            part = []
+            parts.append(part)
+            size = 0
+        part.append(state)
+        size += n
+    return parts
 
 
 def _settled(st: FileState, snap: Snapshot, prev: Snapshot | None) -> bool:

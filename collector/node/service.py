@@ -202,6 +202,7 @@ class Collector:
             dropped=self.status.dropped,
             spool_depth=self.spool_depth(),
             kafka_refused=dict(self.forwarder.stats.refused) if self.forwarder else {},
+            kafka_too_large=self.forwarder.stats.too_large if self.forwarder else 0,
             seconds_since_scan=time.monotonic() - self._last_scan,
             log_blocked=self.status.log_blocked,
             log_blocked_episodes=self.log.stats.blocked_episodes,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError, MessageSizeTooLargeError
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -54,6 +54,9 @@ class ForwarderStats:
     sent: int = 0
     send_failures: int = 0
     reconnects: int = 0
+    # Spooled events over the producer's max_request_size: no retry can send them, so each is
+    # skipped (logged; the aggregator sees a gap in the node's sequence).
+    too_large: int = 0
     # Failures retrying cannot fix (credentials, certificates, ACLs), by kind: the collector
     # keeps its events spooled and retries, so that fixing the Secret or ACL is enough.
     refused: dict[str, int] = field(default_factory=dict)
@@ -196,6 +199,18 @@ class KafkaForwarder:
         self._commit_failing = False
         committed = self.reader.committed(FORWARDER_GROUP)
         self._offset = committed[0] if committed else spool.first_offset
+        if self._offset > spool.opened_end:
+            # The checkpoint is fsync'd and the segments are not (unless `fsync`): after a
+            # power loss the log can end below it (what it lost the broker had acknowledged),
+            # and what is appended from then on takes offsets the broker never had. Sending
+            # from the checkpoint would skip those, uncounted.
+            log.warning(
+                "spool checkpoint %d is past where the spool ended when opened (%d; segments "
+                "lost in a crash): forwarding from there",
+                self._offset,
+                spool.opened_end,
+            )
+            self._offset = spool.opened_end
 
     def _log_retry(self, state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
@@ -258,12 +273,26 @@ class KafkaForwarder:
             return 0
         producer = await self._ensure_producer()
         acked = self._offset
-        futures: list[asyncio.Future[Any]] = []
+        skipped = 0
+        futures: list[asyncio.Future[Any] | None] = []
         try:
             for r in records:
-                futures.append(await producer.send(self.settings.topic, value=r.value, key=r.key))
-            for r, fut in zip(records, futures, strict=True):
-                await fut
+                try:
+                    fut = await producer.send(self.settings.topic, value=r.value, key=r.key)
+                except MessageSizeTooLargeError:
+                    fut = None  # the producer's own check, before sending: no retry can help
+                futures.append(fut)
+            for r, f in zip(records, futures, strict=True):
+                if f is None:
+                    skipped += 1
+                    log.error(
+                        "spooled event at offset %d is %d bytes, more than a Kafka request "
+                        "may carry (max_request_size): skipped",
+                        r.offset,
+                        len(r.value),
+                    )
+                else:
+                    await f
                 acked = r.offset + 1
         except KafkaError as exc:
             self.stats.send_failures += 1
@@ -276,13 +305,15 @@ class KafkaForwarder:
             # The rest of the batch fails too; take their errors so asyncio does not log
             # "exception was never retrieved" once per record.
             for fut in futures:
-                fut.add_done_callback(_retrieve)
+                if fut is not None:
+                    fut.add_done_callback(_retrieve)
             await self._drop_producer()
         done = acked - self._offset
         if done:
             self._commit(acked)
             self._offset = acked
-            self.stats.sent += done
+            self.stats.sent += done - skipped
+            self.stats.too_large += skipped
         return done
 
     def _commit(self, acked: int) -> None:

@@ -153,6 +153,12 @@ OWN: tuple[Metric, ...] = (
         "failed writes to the local log (each retried)", _get("log_write_errors"),
     ),
     Metric(
+        "hami_usage_kafka_too_large_total", "counter", "events", "health", (),
+        "spooled events larger than a Kafka request may carry, skipped (each a sequence gap "
+        "the aggregator reports)",
+        _get("kafka_too_large"),
+    ),
+    Metric(
         "hami_usage_kafka_refused_total", "counter", "refusals", "kafka", ("reason",),
         "times Kafka refused the collector, which retries: reason authentication (credentials), "
         "certificate (broker not trusted), tls (handshake refused), authorization (an ACL)",

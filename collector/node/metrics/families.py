@@ -46,6 +46,7 @@ class Health:
     log_blocked: str | None = None  # why the local log refuses events now (an episode)
     log_blocked_episodes: int = 0
     log_write_errors: int = 0
+    kafka_too_large: int = 0  # spooled events over the producer's max_request_size, skipped
     clock_steps: int = 0  # steps of the wall clock absorbed (node/clock.py)
     clock_offset_ms: int = 0  # wall clock - event time as of the last step
     kube: KubeHealth | None = None  # None: the pod watch is off

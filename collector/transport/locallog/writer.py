@@ -151,6 +151,7 @@ class LocalLog:
                 raise
         self._total_bytes = sum(self._sizes)
         self._written_offset = self._next_offset  # records below this reached the OS
+        self.opened_end = self._next_offset  # where the log ended when this writer opened it
 
     def _recover_active(self) -> None:
         """Cut the newest segment back to the end of its last valid frame (a crash can tear

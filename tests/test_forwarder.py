@@ -1,0 +1,85 @@
+"""The collector's Kafka forwarder (spool -> topic) at its edges, against the real broker:
+an event no Kafka request can carry, and a spool that ends below its checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from streams import consume_plain, create_topic
+
+from collector.transport.kafka import FORWARDER_GROUP, KafkaForwarder, ProducerSettings
+from collector.transport.locallog import LocalLog, LogReader
+from collector.transport.locallog.frames import list_segments, segment_name
+
+pytestmark = pytest.mark.kafka
+
+KEY = b"node-1"
+
+
+def spool_of(directory: Path, values: list[bytes]) -> LocalLog:
+    spool = LocalLog(directory)
+    for i, v in enumerate(values):
+        spool.append(KEY, v, 1_700_000_000_000 + i)
+    spool.flush()
+    return spool
+
+
+def forward(spool: LocalLog, directory: Path, bootstrap: str, topic: str) -> KafkaForwarder:
+    """A forwarder of `spool` sending until the spool is drained (at most 60 s)."""
+
+    async def run() -> KafkaForwarder:
+        await create_topic(bootstrap, topic, partitions=1)
+        fwd = KafkaForwarder(ProducerSettings(bootstrap, topic=topic), spool, directory)
+        try:
+            async with asyncio.timeout(60):
+                while fwd.depth():
+                    await fwd.forward_once()
+        finally:
+            await fwd.drain(5)
+        return fwd
+
+    return asyncio.run(run())
+
+
+def on_topic(bootstrap: str, topic: str) -> list[bytes]:
+    return [m.value for m in asyncio.run(consume_plain(topic, bootstrap_servers=bootstrap))]
+
+
+def test_an_event_too_large_for_kafka_is_skipped_and_counted(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiokafka refuses a record over max_request_size (1 MiB) before sending it: no retry can
+    send it, so it must not hold back everything spooled after it."""
+    huge = b"x" * (1 << 20)
+    values = [b"first", huge, b"second", b"third"]
+    spool = spool_of(tmp_path, values)
+    with caplog.at_level(logging.ERROR, logger="collector.transport.kafka"):
+        fwd = forward(spool, tmp_path, kafka_bootstrap, kafka_topic)
+    assert on_topic(kafka_bootstrap, kafka_topic) == [b"first", b"second", b"third"]
+    assert (fwd.stats.sent, fwd.stats.too_large, fwd.stats.send_failures) == (3, 1, 0)
+    assert LogReader(tmp_path).committed(FORWARDER_GROUP) == (4, "")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"spooled event at offset 1 is {len(huge)} bytes, more than a Kafka request may carry "
+        "(max_request_size): skipped"
+    ]
+
+
+def test_a_spool_that_ends_below_its_checkpoint_is_sent_from_its_end(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topic: str
+) -> None:
+    """The checkpoint is fsync'd, the segments are not: after a power loss the spool can end
+    below it. What is appended after the restart (at offsets the broker never had) is sent."""
+    spool = spool_of(tmp_path, [b"old-%d" % i for i in range(10)])
+    LogReader(tmp_path).commit(FORWARDER_GROUP, 10)  # the broker had all ten
+    spool.close()
+    for base in list_segments(tmp_path):
+        (tmp_path / segment_name(base)).write_bytes(b"")  # the page cache, lost
+    spool = spool_of(tmp_path, [b"new-%d" % i for i in range(3)])  # appended before it starts
+    assert (spool.opened_end, spool.next_offset) == (0, 3)
+    fwd = forward(spool, tmp_path, kafka_bootstrap, kafka_topic)
+    assert on_topic(kafka_bootstrap, kafka_topic) == [b"new-0", b"new-1", b"new-2"]
+    assert (fwd.stats.sent, fwd.depth()) == (3, 0)
+    assert LogReader(tmp_path).committed(FORWARDER_GROUP) == (3, "")
