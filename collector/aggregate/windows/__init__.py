@@ -14,6 +14,7 @@ One concept a module:
 * `late`: the late policy (counted, never corrected).
 * `close`: closing a track's windows; `output`: merging tracks' windows into records.
 * `identity`: pod identities (namespace, pod, workload, labels) on the event-time timeline.
+* `inventory`: the GPUs' model and memory from the nodes' NVML inventories (allocation).
 * `checkpoint`: restart offsets; `gauges`: current values for OTLP.
 * `aggregator`: the `Aggregator` facade that wires them.
 
@@ -57,8 +58,8 @@ Windows
 Tumbling windows `[k*window_ms, (k+1)*window_ms)` aligned to the epoch, closed when the
 watermark (`progress`) passes their end. Until then each container keeps the events since the
 last closed end, applied at close in (ts, seq) order (`close`). Late events: `late`. Duplicates:
-`incarnations`. Layout anomalies and device inventories count for the watermark and
-de-duplication only. Restart: `checkpoint`.
+`incarnations`. Layout anomalies count for the watermark and de-duplication only; device
+inventories: `inventory`. Restart: `checkpoint`.
 """
 
 from ..records import Gauge

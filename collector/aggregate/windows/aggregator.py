@@ -135,12 +135,12 @@ class Aggregator:
             tr.pending.append((eff, ts, seq, self._arrival, event, offset))
         elif isinstance(event, ContainerRun):
             tr = self._track(node, inc, event.cid, source)
-            tr.pending.append(runs.entry(event, closed, self._lateness, self._arrival, offset,
-                                         stats))  # fmt: skip
+            tr.pending.append(runs.entry(event, self._closable(), self._lateness, self._arrival,
+                                         offset, stats))  # fmt: skip
         elif isinstance(event, PodIdentity):
             self._identities.learn(node, event.identity, ts, seq, source, offset)
         elif isinstance(event, DeviceInventory):
-            self._inv.state(node, event)
+            self._inv.state(node, event, source, offset)
         elif isinstance(event, CollectorStarted):
             self._guard.announce(node, event)
         # LayoutAnomaly: counted above, nothing to integrate.
@@ -248,14 +248,21 @@ class Aggregator:
     def advance(self) -> list[BillingRecord]:
         """Close every window whose end is at or below the watermark; records sorted by
         (window_start, node, pod_uid, container, device_uuid)."""
-        top = self._progress.watermark_top()
-        if top is None:
-            return []
-        wm = top - self._lateness
-        target = wm - wm % self._w
-        if self._closed is not None and target <= self._closed:
+        target = self._closable()
+        if target is None or target == self._closed:
             return []
         return self._close(target)
+
+    def _closable(self) -> int | None:
+        """The end of the windows the input read so far lets close (closed or not yet): a
+        function of the input, never of when `advance()` runs (see `progress`)."""
+        closed = self._closed
+        top = self._progress.watermark_top()
+        if top is None:
+            return closed
+        wm = top - self._lateness
+        target = wm - wm % self._w
+        return target if closed is None or target > closed else closed
 
     def flush(self) -> list[BillingRecord]:
         """Close everything (for --drain): every value runs to its next change or its cap."""
@@ -335,9 +342,10 @@ class Aggregator:
         """Per source: the earliest offset still needed to rebuild the open windows, or the
         offset after the last one added when nothing is (see `checkpoint`)."""
         need = needed_offsets(self._tracks.values(), self._progress, self._closed, self._gap)
-        for source, offset in self._identities.needed_offsets().items():
-            if source in need and offset < need[source]:
-                need[source] = offset
+        for kept in (self._identities.needed_offsets(), self._inv.needed_offsets()):
+            for source, offset in kept.items():
+                if source in need and offset < need[source]:
+                    need[source] = offset
         return need
 
     def gauges(self) -> list[Gauge]:

@@ -86,7 +86,7 @@ def apply(ig: Integrator, tr: Track, e: Entry) -> None:
         tr.pres_off = off
         apply_rows(ig, tr, p.rows, t, off)
     elif isinstance(p, ContainerState):
-        state(ig, tr, p, t, off)
+        state(ig, tr, p, t, e[2], off)
         runs.restate(tr, p.running, e[2], off)
     elif isinstance(p, ContainerRun):
         runs.switch(tr, p, e[2], off)
@@ -221,10 +221,11 @@ def node_rows(ig: Integrator, tr: Track, sample: NodeDeviceSample, t: int) -> li
     return out
 
 
-def state(ig: Integrator, tr: Track, st: ContainerState, t: int, off: int) -> None:
+def state(ig: Integrator, tr: Track, st: ContainerState, t: int, seq: int, off: int) -> None:
     tr.alive = True
     tr.last_ts = t
     tr.pres_off = off
+    tr.stated = (t, seq)
     learn(ig, tr, st.pod_uid, st.container, st.devices, t, off)
     apply_rows(ig, tr, st.rows, t, off)
     if tr.keys or tr.expired:

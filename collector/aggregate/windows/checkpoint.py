@@ -6,7 +6,8 @@ container's identity, limits, presence and running gate (`runs`), and the ends (
 keys a heartbeat no longer states) of the last `max_gap_ms` before the closed end, by which a
 late or redelivered event is judged: without them a restarted instance would let an exit
 delivered before an older heartbeat, or a duplicate whose original lies before the restart
-offset, revive what had ended. A new
+offset, revive what had ended. The pod identities and GPU inventory statements an open window
+can still use are added by `Aggregator.needed_offsets` (`identity`, `inventory`). A new
 `Aggregator(emitted_until_ms=E)` fed from those offsets recomputes the windows ending at or
 before E and suppresses them. One node's events are assumed to stay in one source (the node is
 the Kafka key). Late events are classified against this instance's own closed end, so a
@@ -21,7 +22,7 @@ from .progress import Progress
 from .settings import NEVER
 from .state import Track
 
-__all__ = ["needed_offsets"]
+__all__ = ["earliest", "needed_offsets"]
 
 
 def needed_offsets(
@@ -57,3 +58,13 @@ def needed_offsets(
         if m < need.get(tr.source, NEVER):
             need[tr.source] = m
     return {src: min(need.get(src, nxt), nxt) for src, nxt in progress.next_offsets().items()}
+
+
+def earliest(kept: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """Per source, the earliest offset among these (source, offset) pairs (offset -1: synthetic,
+    nothing to re-read)."""
+    need: dict[int, int] = {}
+    for source, offset in kept:
+        if offset >= 0 and offset < need.get(source, offset + 1):
+            need[source] = offset
+    return need

@@ -12,7 +12,9 @@ without an identity is still billed: its namespace is empty, and it is counted i
 Only what a future window can still use is kept: per pod, the last entry before the cut-off of
 the next window to close, and every later one. Restatements are entries of their own (with their
 own offsets), so what a restart has to read again stays one heartbeat period long; a pod not
-restated for `retain_ms` (its containers are gone) is forgotten.
+restated for `retain_ms` (its containers are gone) is forgotten. A window that starts `retain_ms`
+or more after the entry it would take is not named by it, so the names never depend on how many
+windows one `advance()` closes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 
 from ...events import Identity
+from .checkpoint import earliest
 
 __all__ = ["Identities"]
 
@@ -43,13 +46,17 @@ class Identities:
         insort(entries, (ts, seq, source, offset, identity), key=lambda e: (e[0], e[1]))
 
     def at(self, node: str, pod_uid: str, window_end_ms: int) -> Identity | None:
-        """The identity of the pod for the window that ends at `window_end_ms`."""
+        """The identity of the pod for the window that ends at `window_end_ms`: None when the
+        entry was not restated for `retain_ms` before the window's start (as `prune` forgets
+        it, whenever that runs)."""
         entries = self._book.get((node, pod_uid))
         if not entries:
             return None
         cut = window_end_ms + self._lateness
         i = bisect_left(entries, cut, key=lambda e: e[0])
-        return entries[i - 1][4] if i else None
+        if not i or entries[i - 1][0] + self._retain <= window_end_ms - self._w:
+            return None
+        return entries[i - 1][4]
 
     def prune(self, closed: int) -> None:
         """Forget what no window ending after `closed` can use."""
@@ -67,12 +74,7 @@ class Identities:
 
     def needed_offsets(self) -> dict[int, int]:
         """Per source, the earliest offset of an entry still kept."""
-        need: dict[int, int] = {}
-        for entries in self._book.values():
-            for _, _, source, offset, _ in entries:
-                if offset >= 0 and offset < need.get(source, offset + 1):
-                    need[source] = offset
-        return need
+        return earliest((e[2], e[3]) for entries in self._book.values() for e in entries)
 
     def __len__(self) -> int:
         return sum(len(e) for e in self._book.values())

@@ -3,17 +3,25 @@
 An inventory is a statement at its ts, held like a sample: a window [ws, we) uses the latest
 statement of the GPU with `ws - max_gap_ms <= ts < we`. The collector restates its inventory
 with every heartbeat, so a replay that starts `max_gap_ms` before its first window sees the
-statements the live run used, and gives the same records."""
+statements the live run used, and gives the same records.
+
+Only what a window still open can use is kept: per GPU, the latest statement before the closed
+end (if it is not older than `max_gap_ms`), and every later one. A restart reads those again
+(`needed_offsets`), so what it re-reads for the inventory is one heartbeat period long."""
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 
 from ...events import DeviceInventory
+from .checkpoint import earliest
 
 __all__ = ["GpuModel", "Inventory"]
 
 GpuModel = tuple[str, int]  # (model name, memory total in bytes)
+
+# (ts, model name, memory total, source, offset), sorted
+_Statement = tuple[int, str, int, int, int]
 
 
 class Inventory:
@@ -23,16 +31,19 @@ class Inventory:
 
     def __init__(self, max_gap_ms: int) -> None:
         self._gap = max_gap_ms
-        self._gpus: dict[tuple[str, str], list[tuple[int, str, int]]] = {}
+        self._gpus: dict[tuple[str, str], list[_Statement]] = {}
 
-    def state(self, node: str, event: DeviceInventory) -> None:
+    def state(self, node: str, event: DeviceInventory, source: int, offset: int) -> None:
         ts = event.ts
         for g in event.devices:
-            insort(self._gpus.setdefault((node, g.uuid), []), (ts, g.name, g.memory_total))
+            insort(
+                self._gpus.setdefault((node, g.uuid), []),
+                (ts, g.name, g.memory_total, source, offset),
+            )
 
     def lookup(self, node: str, uuid: str, ws: int, we: int) -> GpuModel | None:
         best: GpuModel | None = None
-        for ts, name, memory in self._gpus.get((node, uuid), ()):
+        for ts, name, memory, _, _ in self._gpus.get((node, uuid), ()):
             if ts >= we:
                 break
             if ts >= ws - self._gap:
@@ -40,10 +51,14 @@ class Inventory:
         return best
 
     def prune(self, closed: int) -> None:
-        """Forget statements no window from `closed` on can use."""
-        horizon = closed - self._gap
+        """Forget statements no window from `closed` on can use: those older than `max_gap_ms`
+        before it, and those a later statement before it replaces in every such window."""
         drop = []
         for key, lst in self._gpus.items():
+            horizon = closed - self._gap
+            i = bisect_left(lst, closed, key=lambda s: s[0])
+            if i and lst[i - 1][0] > horizon:
+                horizon = lst[i - 1][0]  # the latest before `closed` (all of its ts) stays
             keep = [s for s in lst if s[0] >= horizon]
             if keep:
                 self._gpus[key] = keep
@@ -51,3 +66,7 @@ class Inventory:
                 drop.append(key)
         for key in drop:
             del self._gpus[key]
+
+    def needed_offsets(self) -> dict[int, int]:
+        """Per source, the earliest offset of a statement still kept."""
+        return earliest((s[3], s[4]) for lst in self._gpus.values() for s in lst)

@@ -4,8 +4,9 @@ An event whose ts is before the end of the last window this instance closed is *
 counted in `stats.late_events`. Closed windows are never revised: there are no correction
 records and `revision` is always 0 (the field is kept for evolution). The event still takes
 effect from the closed end onward, so the following windows are right: a late sample replaces a
-key's value unless a newer sample or an end of that key (or of its process or container) is
-already known, and it keeps its own ts for the `max_gap_ms` cap; a late end ends only keys
+key's value unless a newer sample or an end of that key (or of its process or container), or a
+heartbeat after it (which restated or ended every key of the container), is already known, and
+it keeps its own ts for the `max_gap_ms` cap; a late end ends only keys
 sampled before it; a late event refreshes presence only if it is newer than the last event seen.
 
 What the closed windows got wrong, in key-milliseconds, computed when the late event is applied
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from ...events import (
     ContainerAppeared,
     ContainerGone,
+    ContainerRun,
     ContainerState,
     DeviceLimit,
     LimitsChanged,
@@ -60,6 +62,9 @@ def apply_late(ig: Integrator, tr: Track, e: Entry, batch: list[Entry]) -> None:
     p = unpacked(e[4])
     off = e[5]
     closed = e[0]
+    if isinstance(p, ContainerRun):
+        runs.late(tr, p, e[2], off)
+        return
     if isinstance(p, ContainerGone | Supersede):
         _end_late(ig, tr, ts, off, closed, lambda k: True)
         if tr.last_ts < ts:
@@ -72,18 +77,18 @@ def apply_late(ig: Integrator, tr: Track, e: Entry, batch: list[Entry]) -> None:
     if isinstance(p, NodeDeviceSample):
         named = node_rows(ig, tr, p, ts)
         if named is not None:
-            _late_rows(ig, tr, named, ts, off, closed, batch)
+            _late_rows(ig, tr, named, ts, e[2], off, closed, batch)
         return
     if ts > tr.last_ts and (tr.gone_ts is None or ts > tr.gone_ts):
         tr.alive = True
         tr.last_ts = ts
         tr.pres_off = off
     if isinstance(p, UsageSample):
-        _late_rows(ig, tr, p.rows, ts, off, closed, batch)
+        _late_rows(ig, tr, p.rows, ts, e[2], off, closed, batch)
     elif isinstance(p, ContainerState):
         _late_identity(ig, tr, p.pod_uid, p.container, p.devices, ts, off)
         runs.restate(tr, p.running, e[2], off)
-        _late_rows(ig, tr, p.rows, ts, off, closed, batch)
+        _late_rows(ig, tr, p.rows, ts, e[2], off, closed, batch)
         stated = {(r.pid, r.hostpid, r.device) for r in p.rows}
         _end_late(ig, tr, ts, off, closed, lambda k: k not in stated)
     elif isinstance(p, ProcessExited):
@@ -164,6 +169,7 @@ def _late_rows(
     tr: Track,
     rows: list[UsageRow],
     ts: int,
+    seq: int,
     off: int,
     closed: int,
     batch: list[Entry],
@@ -192,6 +198,8 @@ def _late_rows(
             continue
         if ended.get(k, -NEVER) >= ts or ended.get(k[:2], -NEVER) >= ts:
             continue
+        if (ts, seq) < tr.stated:
+            continue  # a later heartbeat restated the key or ended it (the key need not be known)
         if v is not None:
             ig.drop_key(tr, k)
         elif tr.expired:

@@ -64,8 +64,9 @@ Payload: TypeAlias = (
     | Supersede
 )
 # (effective ts, event ts, seq, arrival, payload, offset). The effective ts differs from the event
-# ts only for a late event (it is then the closed end). The first four are unique, so sorting
-# never compares payloads. Offset -1: synthetic, nothing to re-read.
+# ts only for a late event (it is then the closed end); a ContainerRun's event ts is its place
+# on the timeline, moved later only as far as the windows that may close (`runs`). The first
+# four are unique, so sorting never compares payloads. Offset -1: synthetic, nothing to re-read.
 Entry: TypeAlias = tuple[int, int, int, int, Payload, int]
 Key: TypeAlias = tuple[int, int, int]  # (pid, hostpid, device)
 RowKey: TypeAlias = tuple[int, str, str, str, str]  # (window start, node, pod_uid, ctr, uuid)
@@ -194,6 +195,7 @@ class Track:
         "run_off",
         "run_seq",
         "source",
+        "stated",
         "uuids",
         "win",
     )
@@ -223,6 +225,8 @@ class Track:
         self.gone_ts: int | None = None
         self.gone_off = -1
         self.pres_off = 0
+        # (ts, seq) of the last heartbeat state applied in order: it restated or ended every key
+        self.stated = (-NEVER, 0)
         # Kubernetes' running gate (runs): None until a ContainerRun or a restatement sets it
         self.run: bool | None = None
         self.run_seq = -1
