@@ -136,6 +136,9 @@ class ReplayConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_
         check.path("log", self.log)
         check.path("csv", self.csv)
         check.path("jsonl", self.jsonl)
+        # The windows count milliseconds (cli/windowing.py): a duration is never rounded.
+        for name in ("window", "lateness", "max_gap", "max_skew", "idle"):
+            check.whole_ms(name, getattr(self, name))
 
 
 class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -154,6 +157,7 @@ class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fi
     def __post_init__(self) -> None:
         super().__post_init__()
         check.kafka_name("billing_topic", self.billing_topic)
+        check.path("parquet", self.parquet)
         check.kafka_name("group", self.group)
         check.http_url("otlp", self.otlp)
         check.printable("instance", self.instance)
@@ -196,9 +200,11 @@ def _from_env(cls: type[msgspec.Struct], env: Mapping[str, str]) -> dict[str, An
 
 def _from_toml(path: Path, section: str) -> dict[str, Any]:
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; the bytes are not shown
+        raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {path}: {exc}") from None
     table = data.get(section, {})

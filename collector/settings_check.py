@@ -14,6 +14,7 @@ import ipaddress
 import os
 import re
 import stat
+from decimal import Decimal
 from urllib.parse import urlsplit
 
 MAX_PATH = 4096  # PATH_MAX on Linux
@@ -99,6 +100,14 @@ def _server(name: str, server: str) -> None:
         raise ValueError(bad)
 
 
+def whole_ms(name: str, seconds: float) -> None:
+    """Seconds that the windows count in whole milliseconds: 16.1 is 16 100 ms, 0.0015 is not a
+    whole number of them and is refused rather than rounded (0.0005 would round to none). The
+    test is on the decimal the value was written as, not on the binary float."""
+    if Decimal(repr(seconds)) * 1000 % 1:
+        raise ValueError(f"{name}: must be a whole number of milliseconds, got {seconds:g}")
+
+
 def http_url(name: str, value: str | None) -> None:
     if value is None:
         return
@@ -167,6 +176,8 @@ def writable_dir(flag: str, value: str) -> None:
     """A folder to write in: made if missing."""
     try:
         os.makedirs(value, exist_ok=True)
+    except FileExistsError:  # a file, not a folder, of that name
+        raise SettingError(f"{flag} {value}: not a directory") from None
     except OSError as exc:
         raise SettingError(f"{flag} {value}: {exc.strerror}") from None
     if not os.access(value, os.W_OK | os.X_OK):

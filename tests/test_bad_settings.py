@@ -18,10 +18,13 @@ HAMI_USAGE = Path(sys.executable).parent / "hami-usage"
 LONG_NODE = "n" * 70_000
 
 
-def run(*args: str, cwd: Path, node: str = "node-a") -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, cwd: Path, node: str = "node-a", extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """The command, with a clean environment, bounded in time: a hang fails the test."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_USAGE_")}
     env["NODE_NAME"] = node
+    env.update(extra_env or {})
     argv = [str(HAMI_USAGE), *args]
     return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
 
@@ -159,15 +162,60 @@ AGGREGATE = [
         "--jsonl {dir}/missing/x.jsonl: cannot write: No such file or directory",
     ),  # fmt: skip
     (["--csv", "/dev/null"], "--csv /dev/null: not a regular file"),
+    (["--parquet", ""], "invalid setting parquet: must not be empty"),  # not Parquet off
+    (["--parquet", "{file}"], "--parquet {file}: not a directory"),
+    (["--parquet", "/proc/x"], "--parquet /proc/x: No such file or directory"),
+    (
+        ["--window", "0.0005"],
+        "invalid setting window: must be a whole number of milliseconds, got 0.0005",
+    ),  # fmt: skip
+    (
+        ["--window", "0.0015"],
+        "invalid setting window: must be a whole number of milliseconds, got 0.0015",
+    ),  # fmt: skip
+    (
+        ["--max-gap", "0.0004"],
+        "invalid setting max_gap: must be a whole number of milliseconds, got 0.0004",
+    ),  # fmt: skip
 ]
 
 
 @pytest.mark.parametrize("args,message", AGGREGATE, ids=lambda v: repr(v)[:40])
 def test_aggregate(paths: dict[str, str], tmp_path: Path, args: list[str], message: str) -> None:
-    args = [a.replace("{dir}", paths["dir"]) for a in args]
+    args = [a.replace("{dir}", paths["dir"]).replace("{file}", paths["file"]) for a in args]
     proc = run("aggregate", "--log", paths["log"], "--drain", *args, cwd=tmp_path)
-    assert_one_line(proc, "hami-usage aggregate: " + message.replace("{dir}", paths["dir"]))
+    message = message.replace("{dir}", paths["dir"]).replace("{file}", paths["file"])
+    assert_one_line(proc, "hami-usage aggregate: " + message)
     assert os.listdir(paths["log"]) == []  # no checkpoint written: nothing started
+
+
+def test_an_empty_parquet_from_the_environment_is_refused_too(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    proc = run("aggregate", "--log", paths["log"], "--drain", cwd=tmp_path,
+               extra_env={"HAMI_USAGE_PARQUET": ""})  # fmt: skip
+    assert_one_line(proc, "hami-usage aggregate: invalid setting parquet: must not be empty")
+
+
+@pytest.mark.parametrize("window", ["16.1", "1.005", "32.2"])
+def test_a_window_of_whole_milliseconds_is_accepted(
+    paths: dict[str, str], tmp_path: Path, window: str
+) -> None:
+    """16.1 * 1000 is 16100.000000000002 as a float: the test is on the decimal written."""
+    proc = run("aggregate", "--log", paths["log"], "--drain", "--window", window, cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "milliseconds" not in proc.stderr
+
+
+def test_the_whole_milliseconds_rule_is_the_settings_own() -> None:
+    """TOML, the environment and flags alike, `aggregate` and `replay` alike."""
+    from collector.config import AggregateConfig, ConfigError, ReplayConfig, load
+
+    for cls in (ReplayConfig, AggregateConfig):
+        for ok in ("16.1", "1.005", "32.2", "0.001", "60"):
+            assert load(cls, "replay", env={"HAMI_USAGE_WINDOW": ok}).window == float(ok)
+        with pytest.raises(ConfigError, match="window: must be a whole number of milliseconds"):
+            load(cls, "replay", env={"HAMI_USAGE_WINDOW": "0.0015"})
 
 
 def test_replay_checks_its_outputs_and_numbers(paths: dict[str, str], tmp_path: Path) -> None:
@@ -180,6 +228,36 @@ def test_replay_checks_its_outputs_and_numbers(paths: dict[str, str], tmp_path: 
     assert_one_line(proc, "hami-usage replay: invalid setting max_gap: Expected `float` <= "
                           "604800.0")  # fmt: skip
     assert not Path(csv).exists()
+
+
+@pytest.mark.parametrize("window", ["0.0005", "0.0015"])
+def test_replay_refuses_a_window_of_part_of_a_millisecond(
+    paths: dict[str, str], tmp_path: Path, window: str
+) -> None:
+    """0.0005 once rounded to a 0 ms window (a traceback), 0.0015 silently to 2 ms."""
+    span = ["--from", "2024-01-01T00:00Z", "--to", "2024-01-02T00:00Z"]
+    csv = str(tmp_path / "out.csv")
+    proc = run("replay", "--log", paths["log"], *span, "--csv", csv, "--window", window,
+               cwd=tmp_path)  # fmt: skip
+    assert_one_line(proc, "hami-usage replay: invalid setting window: must be a whole number "
+                          f"of milliseconds, got {window}")  # fmt: skip
+    assert not Path(csv).exists()
+
+
+@pytest.mark.parametrize("command", ["collect", "aggregate", "replay", "topics", "demo", "report"])
+def test_a_config_file_that_is_not_utf8(tmp_path: Path, command: str) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_bytes(b"[x]\nkey = '\xff'\n")  # offset 11
+    span = ["--from", "2024-01-01T00:00Z", "--to", "2024-01-02T00:00Z"]
+    extra = {
+        "collect": ["--root", str(tmp_path), "--log", str(tmp_path / "log")],
+        "replay": [*span, "--csv", str(tmp_path / "o.csv")],
+        "topics": ["--kafka", "127.0.0.1:9"],
+        "demo": ["--out", str(tmp_path / "demo")],
+        "report": [*span, "--csv", str(tmp_path / "in.csv")],
+    }.get(command, [])
+    proc = run(command, "--config", str(config), *extra, cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage {command}: config {config}: not UTF-8 text (byte 11)")
 
 
 @pytest.mark.parametrize(
@@ -206,6 +284,50 @@ def test_simulate(paths: dict[str, str], tmp_path: Path, args: list[str], messag
     assert_one_line(proc, message)
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["schema", "--out", "{file}"], "hami-usage schema: --out {file}: not a directory"),
+        (
+            ["schema", "--out", "/proc/x"],
+            "hami-usage schema: --out /proc/x: No such file or directory",
+        ),  # fmt: skip
+        (["schema", "--out", ""], "hami-usage schema: invalid setting out: must not be empty"),
+        (["demo", "--out", "{file}"], "hami-usage demo: --out {file}: not a directory"),
+        (["demo", "--out", ""], "hami-usage demo: invalid setting out: must not be empty"),
+        (
+            ["simulate", "--duration", "1", "--root", "/proc/x"],
+            "hami-usage simulate: --root /proc/x: No such file or directory",
+        ),
+        (
+            ["simulate", "--duration", "1", "--root", ""],
+            "hami-usage simulate: invalid setting root: must not be empty",
+        ),
+        (
+            ["demo", "--out", "{dir}/demo", "--kafka", "bad"],
+            "hami-usage demo: invalid setting kafka: 'bad' is not host:port",
+        ),
+        (
+            ["demo", "--out", "{dir}/demo", "--kafka", "localhost:99999"],
+            "hami-usage demo: invalid setting kafka: port 99999 of 'localhost:99999' is outside "
+            "1..65535",
+        ),
+    ],
+    ids=lambda v: repr(v)[:50],
+)
+def test_output_folders_and_demo_kafka_are_checked_first(
+    paths: dict[str, str], tmp_path: Path, args: list[str], message: str
+) -> None:
+    """Each once a traceback, wrapped the port, or (an empty folder) wrote into the current
+    directory."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = run(*(a.format(**paths) for a in args), cwd=cwd)
+    assert_one_line(proc, message.format(**paths))
+    assert os.listdir(cwd) == []
+    assert not (tmp_path / "demo").exists()
+
+
 def test_demo_duration_is_bounded(tmp_path: Path) -> None:
     proc = run("demo", "--duration", "inf", "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert_one_line(proc, "hami-usage demo: argument --duration: must be > 0 and <= 86400, got inf")
@@ -228,3 +350,39 @@ def test_a_secret_given_to_an_option_that_does_not_exist_is_never_echoed(
     shown = " ".join(unknown) or "(values not shown)"
     assert_one_line(proc, f"hami-usage: unrecognized arguments: {shown}")
     assert "s3cret" not in proc.stderr
+
+
+SASL = [
+    "aggregate", "--kafka", "127.0.0.1:9", "--kafka-security-protocol", "SASL_SSL",
+    "--kafka-sasl-mechanism", "PLAIN", "--kafka-username", "u", "--kafka-password-file",
+]  # fmt: skip
+
+
+def test_a_password_file_that_is_not_utf8_is_one_line_without_its_bytes(tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_bytes(b"s3\xffcret\n")
+    proc = run(*SASL, str(secret), cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage aggregate: kafka_password_file {secret}: not UTF-8 text")
+    assert "s3" not in proc.stderr and "xff" not in proc.stderr
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b" \n\n"], ids=["empty", "newline", "blank"])
+def test_an_empty_password_is_no_password(tmp_path: Path, content: bytes) -> None:
+    """README: SASL without a user or password exits 2 (it once tried to connect)."""
+    secret = tmp_path / "pw"
+    secret.write_bytes(content)
+    proc = run(*SASL, str(secret), cwd=tmp_path)
+    assert_one_line(
+        proc,
+        "hami-usage aggregate: SASL needs kafka_username and a password (kafka_password_file or "
+        "HAMI_USAGE_KAFKA_PASSWORD)",
+    )
+
+
+def test_an_empty_password_in_the_environment_is_no_password(tmp_path: Path) -> None:
+    proc = run(*SASL[:-1], cwd=tmp_path, extra_env={"HAMI_USAGE_KAFKA_PASSWORD": ""})
+    assert_one_line(
+        proc,
+        "hami-usage aggregate: SASL needs kafka_username and a password (kafka_password_file or "
+        "HAMI_USAGE_KAFKA_PASSWORD)",
+    )

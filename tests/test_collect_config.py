@@ -265,7 +265,7 @@ def test_bad_files_and_paths_exit_2_with_one_line(tmp_path: Path, roots: dict[st
             "--root", str(tmp_path / "nope"), "--log", log,
         ],
         f"--root {a_file}: not a directory": ["--root", str(a_file), "--log", log],
-        f"--log {a_file}: File exists": ["--root", root, "--log", str(a_file)],
+        f"--log {a_file}: not a directory": ["--root", root, "--log", str(a_file)],
         f"--log {a_file}/sub: Not a directory": ["--root", root, "--log", f"{a_file}/sub"],
     }  # fmt: skip
     for message, args in cases.items():

@@ -8,6 +8,7 @@ import csv
 import io
 import shutil
 import subprocess
+from dataclasses import replace
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
@@ -25,7 +26,7 @@ from collector.aggregate.columns import to_table
 from collector.aggregate.records import CSV_FIELDS, SINCE_VERSION
 from collector.events import Event, Identity, PodIdentity
 from collector.node.scan import Scanner
-from collector.report.bill import make_bill, money
+from collector.report.bill import Bill, Line, make_bill, money, to_csv
 from collector.report.prices import PriceError, Prices
 from collector.report.summary import HOUR_MS, Summary
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice
@@ -270,6 +271,33 @@ def test_grouped_by_namespace_workload_label_and_several(pipeline: Path) -> None
     }
 
 
+def test_by_gpu_model_is_one_gpu_model_column(pipeline: Path) -> None:
+    """--by gpu-model's column is the idle rows' gpu_model too: no column name twice."""
+    header = [
+        "kind", "namespace", "gpu_model", "gpu_hours_allocated", "gpu_hours_used",
+        "gpu_hours_reserved_idle", "efficiency", "memory_gib_hours", "cost", "currency",
+    ]  # fmt: skip
+    text = report(pipeline, "--parquet", pipeline / "pq", "--by", "namespace", "--by", "gpu-model")
+    assert next(csv.reader(io.StringIO(text[1]))) == header
+    # the rows, with a model the pipeline's records (no NVML inventory) do not name
+    a100 = "NVIDIA A100-SXM4-80GB"
+    group = Line("group", ("team-a", a100), HOUR_MS, HOUR_MS // 2, 0.0, Fraction(2), Fraction(2))
+    idle = Line("idle", (a100,), HOUR_MS // 2, 0, 0.0, Fraction(1), Fraction(1))
+    bill = Bill(["namespace", "gpu-model"], "USD", [group], [idle], [])
+    rows = list(csv.reader(io.StringIO(to_csv(bill))))
+    assert rows[0] == header
+    assert [r[:3] for r in rows[1:]] == [
+        ["group", "team-a", a100], ["idle", "", a100], ["rounding_residue", "", ""],
+        ["total", "", ""],
+    ]  # fmt: skip
+    assert [r[-2] for r in rows[1:]] == ["2.00", "1.00", "0.00", "3.00"]
+    # without --by gpu-model, the one gpu_model column after the --by columns, as before
+    bill = Bill(["namespace"], "USD", [replace(group, key=("team-a",))], [idle], [])
+    rows = list(csv.reader(io.StringIO(to_csv(bill))))
+    assert rows[0] == header
+    assert [r[:3] for r in rows[1:3]] == [["group", "team-a", ""], ["idle", "", a100]]
+
+
 def test_discounts_by_namespace_and_label(pipeline: Path) -> None:
     prices = pipeline / "discount.toml"
     prices.write_text(PRICES + "[namespaces]\nresearch = -0.5\n[labels.team]\nvision = 0.1\n")
@@ -431,6 +459,94 @@ def test_report_usage_errors(args: list[str], message: str) -> None:
     proc = hami("report", *args)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+SPAN = ["--from", "2026-01-01", "--to", "2026-01-02"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kafka", "not a host"], "invalid setting kafka: 'not a host' is not host:port"),
+        (
+            ["--kafka", "127.0.0.1:99999"],
+            "invalid setting kafka: port 99999 of '127.0.0.1:99999' is outside 1..65535",
+        ),
+        (["--kafka", ""], "invalid setting kafka: must be 1 to 4096 characters of host:port,..."),
+        (
+            ["--kafka", "127.0.0.1:9", "--billing-topic", "../x"],
+            "invalid setting billing_topic: '../x' is not 1 to 249 of the characters "
+            "A-Z a-z 0-9 . _ -",
+        ),
+        # an empty source, price list or output is refused, never taken for "not given"
+        (["--csv", "{in}", "--parquet", ""], "invalid setting parquet: must not be empty"),
+        (["--csv", "{in}", "--prices", ""], "invalid setting prices: must not be empty"),
+        (["--csv", "{in}", "--out-csv", ""], "invalid setting out_csv: must not be empty"),
+        (["--csv", "{in}", "--html", ""], "invalid setting html: must not be empty"),
+        (["--csv", ""], "invalid setting csv: must not be empty"),
+        # outputs are checked before any input is read: the missing input is not reached
+        (
+            ["--csv", "{in}", "--out-csv", "/nonexistent/dir/x.csv"],
+            "--out-csv /nonexistent/dir/x.csv: cannot write: No such file or directory",
+        ),
+        (["--csv", "{in}", "--html", "{dir}"], "--html {dir}: is a directory"),
+        (
+            ["--csv", "{in}", "--by", "namespace,namespace"],
+            "--by 'namespace': column namespace given twice",
+        ),  # fmt: skip
+        (
+            ["--csv", "{in}", "--by", "label:a-b", "--by", "label:a_b"],
+            "--by 'label:a_b': column label_a_b given twice",
+        ),
+    ],
+    ids=lambda v: repr(v)[:50],
+)
+def test_report_flags_are_checked_before_anything_is_read(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    where = {"in": str(tmp_path / "missing.csv"), "dir": str(tmp_path)}
+    proc = hami("report", *SPAN, *(a.format(**where) for a in args))
+    assert "Traceback" not in proc.stderr, proc.stderr
+    expected = f"hami-usage report: {message.format(**where)}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", expected)
+
+
+def _billing_csv(tmp_path: Path, *rows: bytes) -> Path:
+    path = tmp_path / "in.csv"
+    path.write_bytes(",".join(CSV_FIELDS).encode() + b"\n" + b"".join(rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        (  # a row cut short: a file still being written, a disk that filled up
+            [b"2026-01-01T00:00:00Z\n"],
+            f"{{path}}:2: not a billing record: the row has 1 of the header's {len(CSV_FIELDS)} "
+            "fields",
+        ),
+        (
+            [b"x," * len(CSV_FIELDS) + b"x\n"],
+            f"{{path}}:2: not a billing record: the row has {len(CSV_FIELDS) + 1} fields, the "
+            f"header {len(CSV_FIELDS)}",
+        ),
+        ([b"\xff\xfe\n"], "{path}: not a billing record CSV: not UTF-8 text"),
+        (
+            [b'"' + b"x" * 200_000 + b'"\n'],
+            "{path}: not a billing record CSV: field larger than field limit (131072)",
+        ),  # fmt: skip
+    ],
+    ids=["short-row", "long-row", "not-utf8", "huge-field"],
+)
+def test_a_damaged_billing_csv_is_one_line_and_exit_1(
+    tmp_path: Path, rows: list[bytes], message: str
+) -> None:
+    """README: an unreadable input is one line, exit 1 (each once a traceback)."""
+    path = _billing_csv(tmp_path, *rows)
+    proc = hami("report", *SPAN, "--csv", path)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    expected = f"hami-usage report: {message.format(path=path)}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
 
 
 def test_report_of_a_missing_file_is_one_line(tmp_path: Path) -> None:

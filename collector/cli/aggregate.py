@@ -92,8 +92,6 @@ def _run(args: argparse.Namespace) -> int:
     from ..transport.http import ListenError
 
     cfg = load_settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
-    if cfg.window * 1000 % 1:
-        raise UsageError("hami-usage aggregate: --window must be a whole number of milliseconds")
     check_outputs("aggregate", cfg)
     settings = AggregateSettings(
         window=window_settings(cfg),

@@ -6,10 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from .. import settings_check as check
 from ..config import KafkaClientConfig
 from .args import Command, UsageError, positive
 from .kafka import KAFKA_FLAGS, kafka_flags, kafka_security, run_kafka
-from .settings import load_settings
+from .settings import flag_checks, load_settings, machine
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -33,12 +34,18 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.duration is not None and args.duration < 5:
         raise UsageError("hami-usage demo: --duration must be at least 5 seconds")
+    with flag_checks("demo"):
+        check.path("out", args.out)
+        check.bootstrap("kafka", args.kafka)
     cfg = load_settings(args, KafkaClientConfig, "demo", KAFKA_FLAGS)
+    security = kafka_security(cfg, "demo")
+    with machine("demo"):
+        check.writable_dir("--out", args.out)
     settings = DemoSettings(
         duration_s=args.duration or DemoSettings.duration_s,
         out=Path(args.out),
         kafka=args.kafka,
-        security=kafka_security(cfg, "demo"),
+        security=security,
     )
     result = run_kafka("demo", run_demo(settings))
     sys.stdout.write(format_report(result))

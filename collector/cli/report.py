@@ -7,10 +7,11 @@ import logging
 import sys
 from pathlib import Path
 
+from .. import settings_check as check
 from ..config import KafkaClientConfig
 from .args import Command, UsageError, iso_ms
 from .kafka import KAFKA_FLAGS, kafka_errors, kafka_flags, reader, start_logging
-from .settings import load_settings
+from .settings import flag_checks, load_settings, machine
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +56,16 @@ def _run(args: argparse.Namespace) -> int:
     to_ms = iso_ms("--to", args.to, "report")
     if to_ms <= from_ms:
         raise UsageError("hami-usage report: --to must be after --from")
+    # The sources and outputs are flags only (README): held to the settings' checks here, so
+    # an empty one is refused, never taken for "not given".
+    with flag_checks("report"):
+        for name in ("csv", "jsonl"):
+            for value in getattr(args, name) or []:
+                check.path(name, value)
+        for name in ("parquet", "prices", "out_csv", "html"):
+            check.path(name, getattr(args, name))
+        check.bootstrap("kafka", args.kafka)
+        check.kafka_name("billing_topic", args.billing_topic)
     if not (args.csv or args.jsonl or args.parquet or args.kafka):
         raise UsageError("hami-usage report: give --csv, --jsonl, --parquet or --kafka")
     try:
@@ -63,6 +74,11 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, PriceError) as exc:
         raise UsageError(f"hami-usage report: {exc}") from None
     cfg = load_settings(args, KafkaClientConfig, "report", KAFKA_FLAGS)
+    with machine("report"):  # before the records are read, not after
+        if args.out_csv:
+            check.writable_file("--out-csv", args.out_csv)
+        if args.html:
+            check.writable_file("--html", args.html)
     report_args = ReportArgs(
         from_ms=from_ms,
         to_ms=to_ms,
@@ -81,11 +97,15 @@ def _run(args: argparse.Namespace) -> int:
     except LoadError as exc:
         print(f"hami-usage report: {exc}", file=sys.stderr)
         return 1
-    if args.out_csv:
-        Path(args.out_csv).write_text(to_csv(bill))
-    if args.html:
-        title = f"GPU chargeback {args.from_} .. {args.to}"
-        Path(args.html).write_text(render(bill, summary, title))
+    try:
+        if args.out_csv:
+            Path(args.out_csv).write_text(to_csv(bill))
+        if args.html:
+            title = f"GPU chargeback {args.from_} .. {args.to}"
+            Path(args.html).write_text(render(bill, summary, title))
+    except OSError as exc:  # checked at start; a disk that filled up since
+        print(f"hami-usage report: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
     sys.stdout.write(table_text(bill))
     return 0
 

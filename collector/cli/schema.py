@@ -7,7 +7,9 @@ from pathlib import Path
 
 import msgspec
 
+from .. import settings_check as check
 from .args import Command
+from .settings import flag_checks, machine
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -18,8 +20,11 @@ def _run(args: argparse.Namespace) -> int:
     from ..aggregate import billing
     from ..events import json_schema
 
+    with flag_checks("schema"):
+        check.path("out", args.out)
+    with machine("schema"):
+        check.writable_dir("--out", args.out)  # made if missing
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     for name, schema in (
         ("events.schema.json", json_schema()),
         ("billing.schema.json", billing.json_schema()),

@@ -34,3 +34,14 @@ def machine(section: str) -> Iterator[None]:
         yield
     except check.SettingError as exc:
         raise UsageError(f"hami-usage {section}: {exc}") from None
+
+
+@contextmanager
+def flag_checks(section: str) -> Iterator[None]:
+    """The syntax checks of `settings_check` on flags that are no field of a settings struct
+    (report's sources, demo's --kafka, an output folder): the same one line, exit 2, as the
+    same value gets as a setting."""
+    try:
+        yield
+    except ValueError as exc:
+        raise UsageError(f"hami-usage {section}: invalid setting {exc}") from None

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .. import settings_check as check
 from ..layout.declarations import LAYOUTS
-from .args import Command, UsageError, positive
+from .args import Command, positive
+from .settings import flag_checks, machine
 
 
 def _faults(text: str) -> frozenset[str]:
@@ -44,9 +46,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     from ..simulate import run
 
-    root = Path(args.root)
-    if root.exists() and not root.is_dir():
-        raise UsageError(f"hami-usage simulate: --root {root}: not a directory")
+    with flag_checks("simulate"):
+        check.path("root", args.root)
+    with machine("simulate"):
+        check.writable_dir("--root", args.root)  # made if missing
     steps = run(
         Path(args.root),
         args.containers,

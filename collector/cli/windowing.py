@@ -36,7 +36,8 @@ def window_flags(p: argparse.ArgumentParser) -> None:
 
 
 def window_settings(cfg: AggregateConfig | ReplayConfig) -> WindowSettings:
-    """Settings are in seconds (what people type); the windows count whole milliseconds."""
+    """Settings are in seconds (what people type); the windows count whole milliseconds, and
+    the settings hold whole milliseconds (config.py: `settings_check.whole_ms`)."""
     from ..aggregate.windows import WindowSettings
 
     return WindowSettings(
@@ -50,13 +51,15 @@ def window_settings(cfg: AggregateConfig | ReplayConfig) -> WindowSettings:
 
 
 def check_outputs(section: str, cfg: ReplayConfig) -> None:
-    """The record files are checked before any input is read: an unwritable file is exit 2
-    now, not a failure after the run has done its work."""
+    """The record files (and aggregate's Parquet folder) are checked before any input is read:
+    an unwritable one is exit 2 now, not a failure after the run has done its work."""
     with machine(section):
         if cfg.csv:
             check.writable_file("--csv", cfg.csv)
         if cfg.jsonl:
             check.writable_file("--jsonl", cfg.jsonl)
+        if isinstance(cfg, AggregateConfig) and cfg.parquet:
+            check.writable_dir("--parquet", cfg.parquet)
 
 
 def accept_damaged_flag(p: argparse.ArgumentParser) -> None:

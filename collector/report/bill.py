@@ -18,7 +18,7 @@ from fractions import Fraction
 from typing import Final
 
 from .prices import Prices
-from .summary import HOUR_MS, Summary
+from .summary import HOUR_MS, Summary, column
 
 __all__ = ["Bill", "Line", "make_bill", "money", "to_csv"]
 
@@ -136,9 +136,12 @@ def make_bill(summary: Summary, prices: Prices) -> Bill:
 
 
 def csv_header(bill: Bill) -> list[str]:
-    dims = [d.replace("-", "_").replace(":", "_") for d in bill.by]
+    """The --by columns, then gpu_model (the idle rows'), unless --by gpu-model already made
+    a gpu_model column: that one then holds the idle rows' model too (no name twice)."""
+    dims = [column(d) for d in bill.by]
+    model = [] if "gpu-model" in bill.by else ["gpu_model"]
     return [
-        "kind", *dims, "gpu_model", "gpu_hours_allocated", "gpu_hours_used",
+        "kind", *dims, *model, "gpu_hours_allocated", "gpu_hours_used",
         "gpu_hours_reserved_idle", "efficiency", "memory_gib_hours", "cost", "currency",
     ]  # fmt: skip
 
@@ -146,26 +149,36 @@ def csv_header(bill: Bill) -> list[str]:
 def to_csv(bill: Bill) -> str:
     """One row per group, one idle row per GPU model, the rounding residue and the total."""
     buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(csv_header(bill))
-    blank = [""] * len(bill.by)
+    out = csv.writer(buf, lineterminator="\n")
+    n = len(bill.by)
+    at = bill.by.index("gpu-model") if "gpu-model" in bill.by else None
+
+    def write(row: list[object]) -> None:
+        """A row laid out as kind, --by values, gpu_model, numbers: the gpu_model value moves
+        into the --by gpu-model column when there is one (csv_header)."""
+        if at is not None:
+            model = row.pop(1 + n)
+            if model:
+                row[1 + at] = model
+        out.writerow(row)
+
+    out.writerow(csv_header(bill))
+    blank = [""] * n
     cur = bill.currency
     for x in bill.groups:
         eff = x.efficiency
-        w.writerow([
+        write([
             "group", *x.key, "", hours(x.allocated_ms), hours(x.used_ms),
             hours(x.reserved_idle_ms), "" if eff is None else eff,
             f"{x.memory_byte_seconds / GIB / 3600:.3f}", money(x.cost), cur,
         ])  # fmt: skip
     for x in bill.idle:
-        w.writerow(
-            ["idle", *blank, x.key[0], hours(x.allocated_ms), "", "", "", "", money(x.cost), cur]
-        )
-    w.writerow(["rounding_residue", *blank, "", "", "", "", "", "", bill.residue, cur])
+        write(["idle", *blank, x.key[0], hours(x.allocated_ms), "", "", "", "", money(x.cost), cur])
+    write(["rounding_residue", *blank, "", "", "", "", "", "", bill.residue, cur])
     alloc = sum(x.allocated_ms for x in bill.lines)
     used = sum(x.used_ms for x in bill.groups)
     ridle = sum(x.reserved_idle_ms for x in bill.groups)
-    w.writerow([
+    write([
         "total", *blank, "", hours(alloc), hours(used), hours(ridle), "", "", money(bill.total),
         cur,
     ])  # fmt: skip

@@ -38,7 +38,16 @@ _INT = {n for n, t in _HINTS.items() if t is int}
 _FLOAT = {n for n, t in _HINTS.items() if t is float}
 
 
-def _csv_record(row: dict[str, str]) -> BillingRecord:
+def _csv_record(row: dict[str | None, Any]) -> BillingRecord:
+    # csv.DictReader fills a short row with None and puts a long row's extra fields under None:
+    # a row cut off (a file still being written, a disk that filled up) or one that is no row
+    # of this header, never a record with fields left out.
+    if None in row:
+        header = len(row) - 1
+        raise ValueError(f"the row has {header + len(row[None])} fields, the header {header}")
+    if None in row.values():
+        given = sum(v is not None for v in row.values())
+        raise ValueError(f"the row has {given} of the header's {len(row)} fields")
     # CSV has no version column: a file without a later version's column holds records of the
     # version before it (its columns are only ever appended).
     missing = [v for f, v in SINCE_VERSION.items() if f not in row]
@@ -62,23 +71,34 @@ def _csv_record(row: dict[str, str]) -> BillingRecord:
 
 
 def _read_csv(path: Path) -> Iterator[BillingRecord]:
-    with path.open(newline="") as f:
-        for i, row in enumerate(csv.DictReader(f), start=2):
-            try:
-                yield _csv_record(row)
-            except (ValueError, TypeError, msgspec.ValidationError, msgspec.DecodeError) as e:
-                raise LoadError(f"{path}:{i}: not a billing record: {e}") from None
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = csv.DictReader(f)
+            for row in rows:
+                try:
+                    yield _csv_record(row)
+                except (ValueError, TypeError, msgspec.ValidationError, msgspec.DecodeError) as e:
+                    raise LoadError(f"{path}:{rows.line_num}: not a billing record: {e}") from None
+    except UnicodeDecodeError:  # the bytes are not shown: one line, whatever they are
+        raise LoadError(f"{path}: not a billing record CSV: not UTF-8 text") from None
+    except csv.Error as e:
+        raise LoadError(f"{path}: not a billing record CSV: {e}") from None
+    except OSError as e:
+        raise LoadError(f"{path}: {e.strerror}") from None
 
 
 def _read_jsonl(path: Path) -> Iterator[BillingRecord]:
     decoder = msgspec.json.Decoder(BillingRecord)
-    with path.open("rb") as f:
-        for i, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    yield decoder.decode(line)
-                except (msgspec.ValidationError, msgspec.DecodeError) as e:
-                    raise LoadError(f"{path}:{i}: not a billing record: {e}") from None
+    try:
+        with path.open("rb") as f:
+            for i, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        yield decoder.decode(line)
+                    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                        raise LoadError(f"{path}:{i}: not a billing record: {e}") from None
+    except OSError as e:
+        raise LoadError(f"{path}: {e.strerror}") from None
 
 
 def from_records(records: Iterable[BillingRecord], from_ms: int, to_ms: int) -> pa.Table:

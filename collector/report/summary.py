@@ -16,23 +16,29 @@ from ..aggregate.records import SINCE_VERSION
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["DIMENSIONS", "Summary", "columns_for", "parse_by"]
+__all__ = ["DIMENSIONS", "Summary", "column", "columns_for", "parse_by"]
 
 DIMENSIONS: Final = ("namespace", "workload", "pod", "node", "gpu-model")
 RESERVED_IDLE_SINCE: Final = SINCE_VERSION["reserved_idle_gpu_seconds"]
 HOUR_MS: Final = 3_600_000
 
 
+def column(dim: str) -> str:
+    """The --out-csv column of a --by value: label:team -> label_team, gpu-model -> gpu_model."""
+    return dim.replace("-", "_").replace(":", "_")
+
+
 def parse_by(values: list[str]) -> list[str]:
-    """--by values, each checked: a dimension or label:NAME."""
-    out = []
+    """--by values, each checked: a dimension or label:NAME, each its own CSV column."""
+    out: list[str] = []
     for v in values or ["namespace"]:
         for part in v.split(","):
             part = part.strip()
-            if part in DIMENSIONS or (part.startswith("label:") and len(part) > 6):
-                out.append(part)
-            else:
+            if not (part in DIMENSIONS or (part.startswith("label:") and len(part) > 6)):
                 raise ValueError(f"--by {part!r}: one of {', '.join(DIMENSIONS)} or label:NAME")
+            if column(part) in map(column, out):  # label:a-b and label:a_b too
+                raise ValueError(f"--by {part!r}: column {column(part)} given twice")
+            out.append(part)
     return out
 
 

@@ -62,7 +62,8 @@ class KafkaSecurity:
         if self.protocol == "SASL_SSL":
             if self.sasl_mechanism is None:
                 raise SecurityError("kafka_security_protocol SASL_SSL needs kafka_sasl_mechanism")
-            if not self.username or self.password is None:
+            # An empty password file (or one of only white space: a newline) is no password.
+            if not self.username or not (self.password or "").strip():
                 raise SecurityError(
                     "SASL needs kafka_username and a password (kafka_password_file or "
                     "HAMI_USAGE_KAFKA_PASSWORD)"
@@ -108,9 +109,11 @@ def read_password(path: str | None, env_value: str | None) -> str | None:
     """The password from its file (one trailing newline dropped) or, failing that, the env."""
     if path:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise SecurityError(f"kafka_password_file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:  # its bytes are the secret: never shown
+            raise SecurityError(f"kafka_password_file {path}: not UTF-8 text") from None
         return text.removesuffix("\n")
     return env_value
 
