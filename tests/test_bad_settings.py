@@ -386,3 +386,19 @@ def test_an_empty_password_in_the_environment_is_no_password(tmp_path: Path) -> 
         "hami-usage aggregate: SASL needs kafka_username and a password (kafka_password_file or "
         "HAMI_USAGE_KAFKA_PASSWORD)",
     )
+
+
+@pytest.mark.parametrize("command", ["collect", "aggregate"])
+def test_a_bad_topics_table_is_the_running_commands_error(
+    paths: dict[str, str], tmp_path: Path, command: str
+) -> None:
+    """`collect` and `aggregate` with `--kafka` read `[topics]` of their config to check the
+    topics: an error there is theirs, not `hami-usage topics:`'s."""
+    config = tmp_path / "c.toml"
+    config.write_text("[topics]\nusage_partitions = 0\n")
+    where = ["--root", paths["root"]] if command == "collect" else []
+    proc = run(command, "--config", str(config), "--kafka", "127.0.0.1:9", "--log", paths["log"],
+               *where, cwd=tmp_path)  # fmt: skip
+    assert_one_line(
+        proc, f"hami-usage {command}: invalid setting usage_partitions: Expected `int` >= 1"
+    )

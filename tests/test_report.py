@@ -339,6 +339,18 @@ def test_html_report_opens_in_headless_chromium(pipeline: Path) -> None:
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_range_without_records_is_a_quiet_empty_report(pipeline: Path) -> None:
+    """A month before the data: a bill of zeros and a page, and nothing on stderr (the charts
+    have nothing to name, so no legend is drawn)."""
+    page = pipeline / "empty.html"
+    proc = hami(
+        "report", "--from", "2026-01-01T00:00:00Z", "--to", "2026-02-01T00:00:00Z",
+        "--parquet", pipeline / "pq", "--prices", pipeline / "prices.toml", "--html", page,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert page.read_text().count("<svg") == 4
+
+
 def chromium(page: Path, shot: Path) -> tuple[str, list[str]]:
     """Debian's Chromium, headless: the DOM it built, and the page's console messages
     (Chromium logs them to stderr as CONSOLE lines); a screenshot into `shot`."""
@@ -404,6 +416,14 @@ def test_bad_prices_are_one_clear_line(text: str, message: str) -> None:
 def test_half_even_rounding_and_the_stated_residue() -> None:
     assert money(Fraction(5, 1000)) == Decimal("0.00")  # 0.005 -> 0.00 (even)
     assert money(Fraction(15, 1000)) == Decimal("0.02")
+    assert str(money(Fraction(-5, 100))) == "-0.05" and str(money(Fraction(0))) == "0.00"
+    # exact at any size: not rounded to Decimal's 28 digits (1.8E+28), nor a residue of 0E+1
+    huge = Fraction(10**30 + 1, 100)
+    assert str(money(huge)) == "10000000000000000000000000000.01"
+    third = Fraction(10**30, 3)
+    group = Line("group", ("a",), 0, 0, 0.0, third, third)
+    bill = Bill(["namespace"], "USD", [group, replace(group, key=("b",))], [], [])
+    assert str(bill.residue) == "0.01"  # 333...33.33 twice against a total of 666...66.67
 
 
 # --- the reconciliation property ------------------------------------------------------------

@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     if cfg.kafka:
         settings.security = kafka_security(cfg, "aggregate")
-        settings.topics = topic_plan(args, cfg.topic, cfg.billing_topic).specs()
+        settings.topics = topic_plan(args, "aggregate", cfg.topic, cfg.billing_topic).specs()
     if not cfg.kafka and not Path(cfg.log).is_dir():
         raise UsageError(f"hami-usage aggregate: --log {cfg.log}: not a directory")
     start_logging(logging.INFO)

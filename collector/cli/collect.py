@@ -219,7 +219,7 @@ def _run(args: argparse.Namespace) -> int:
             linger_ms=cfg.linger_ms,
             compression=cfg.compression,
             security=kafka_security(cfg, "collect"),
-            expect=(topic_plan(args, cfg.topic, "").usage(),),
+            expect=(topic_plan(args, "collect", cfg.topic, "").usage(),),
         )
     settings = CollectSettings(
         root=root,

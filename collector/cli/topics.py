@@ -30,12 +30,13 @@ TOPICS_FLAGS = [
 ]
 
 
-def topic_plan(args: argparse.Namespace, usage: str, billing: str) -> TopicPlan:
-    """The `[topics]` table of the same config file (and env), for the start-up check."""
+def topic_plan(args: argparse.Namespace, command: str, usage: str, billing: str) -> TopicPlan:
+    """The `[topics]` table of the same config file (and env), for `command`'s start-up
+    check (an error in it is that command's)."""
     try:
         t = load(TopicsConfig, "topics", config_file=args.config)
     except ConfigError as exc:
-        raise UsageError(f"hami-usage topics: {exc}") from None
+        raise UsageError(f"hami-usage {command}: {exc}") from None
     return plan_of(t, usage, billing)
 
 

@@ -27,7 +27,12 @@ GIB: Final = 1 << 30
 
 def money(x: Fraction) -> Decimal:
     """Half-even to the cent (Python's round of a Fraction is half-even)."""
-    return Decimal(round(x * 100)).scaleb(-2)
+    return _in_cents(round(x * 100))
+
+
+def _in_cents(cents: int) -> Decimal:
+    # From text: exact at any size (Decimal arithmetic would round to the context's 28 digits).
+    return Decimal(f"{cents}e-2")
 
 
 def hours(ms: int | Fraction) -> Decimal:
@@ -103,7 +108,7 @@ class Bill:
     @property
     def residue(self) -> Decimal:
         """Rounded total minus the sum of the rounded lines."""
-        return money(self.total) - sum((money(x.cost) for x in self.lines), Decimal(0))
+        return _in_cents(round(self.total * 100) - sum(round(x.cost * 100) for x in self.lines))
 
 
 def make_bill(summary: Summary, prices: Prices) -> Bill:

@@ -42,6 +42,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _legend(ax: Any, **kw: Any) -> None:
+    """A legend when the chart has something to name (an empty range has nothing: matplotlib
+    would warn on stderr)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
+
+
 def _name(key: str) -> str:
     return key if key and key.strip("/") else "(unnamed)"
 
@@ -70,7 +77,7 @@ def _over_time(summary: Summary) -> str:
         bottom = [a + b for a, b in zip(bottom, ys, strict=True)]
     ax.set_ylabel("GPU-hours allocated")
     ax.set_title(f"GPU-hours per {summary.by[0]} over time")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _legend(ax, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.autofmt_xdate()
     return _svg(fig)
 
@@ -88,7 +95,7 @@ def _allocated_vs_used(bill: Bill) -> str:
     ax.set_yticks(list(ys), labels, fontsize=8)
     ax.set_xlabel("GPU-hours")
     ax.set_title("Allocated against used, per group")
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     return _svg(fig)
 
 
@@ -118,7 +125,7 @@ def _reserved_idle(bill: Bill) -> str:
     ax.set_yticks(ys, labels, fontsize=8)
     ax.set_xlabel("GPU-hours allocated")
     ax.set_title("Used, reserved but idle (no SM activity) and the rest of the allocation")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _legend(ax, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _svg(fig)
 
 
