@@ -177,6 +177,23 @@ def test_the_intake_gives_the_records_of_the_decoded_stream(
     assert _records(_kafka, stream) == want
 
 
+def test_a_tombstone_is_counted_as_undecodable() -> None:
+    """A null value (a tombstone some tool wrote to the usage topic) is no event: counted with
+    the undecodable ones, and the rest of the stream gives its records (never a crash, which
+    would stop the service on the same offset at every restart)."""
+    c = Collector()
+    msgs = [encode(c.appeared(T0, devices=[dev(0, limit=8 << 30)]))]
+    msgs += [encode(c.sample(T0 + s * 1000, row(1, 100 + s, 0, 7, 3))) for s in range(1, 9)]
+    stream = list(enumerate(msgs))
+    with_tombstones: list[tuple[int, Any]] = [*stream[:3], (100, None), *stream[3:], (101, None)]
+    want, want_stats, _ = _records(_decoded, stream)
+    assert want
+    for feed in (_intake, _kafka):
+        got, got_stats, stats = _records(feed, with_tombstones)
+        assert (got, got_stats) == (want, want_stats)
+        assert (stats.undecodable, stats.unknown_schema) == (2, 0)
+
+
 def _two_rows(c: Collector, t: int, total: int) -> bytes:
     return encode(c.sample(t, row(1, total, 0, 7, 3), row(2, 2 * total, 1, 9, 4)))
 

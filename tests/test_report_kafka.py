@@ -15,8 +15,9 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from aiokafka import AIOKafkaProducer
 from broker import SecureBroker, secure_broker
-from streams import WINDOW_FLAGS, build, hami, produce, recent_t0
+from streams import WINDOW_FLAGS, build, consume_plain, create_topic, hami, produce, recent_t0
 from test_kafka_security import mtls, one_line_refusal, run, sasl
 
 from collector.aggregate.records import iso_utc
@@ -116,6 +117,27 @@ def test_report_from_the_plaintext_billing_topic_equals_the_files(
     assert from_kafka == bill(tmp, rng, "--csv", tmp / "b.csv")
     assert from_kafka == bill(tmp, rng, "--jsonl", tmp / "b.jsonl")
     check_figures(from_kafka, tmp / "b.jsonl")
+
+
+def test_a_record_published_twice_is_billed_once(
+    kafka_bootstrap: str, plain: tuple[Path, list[str]]
+) -> None:
+    """A record can be on the billing topic twice (a second group, a redeployment from
+    `earliest`): `report` keeps one per record_id, as every consumer must."""
+    tmp, rng = plain
+    twice = f"hami.billing.twice-{uuid.uuid4().hex[:8]}"
+    published = asyncio.run(consume_plain(names(tmp)["billing"], bootstrap_servers=kafka_bootstrap))
+    assert published
+
+    async def republish() -> None:
+        await create_topic(kafka_bootstrap, twice, 2)
+        async with AIOKafkaProducer(bootstrap_servers=kafka_bootstrap) as producer:
+            for m in published + published:
+                await producer.send_and_wait(twice, m.value, key=m.key, headers=list(m.headers))
+
+    asyncio.run(republish())
+    from_kafka = bill(tmp, rng, "--kafka", kafka_bootstrap, "--billing-topic", twice)
+    assert from_kafka == bill(tmp, rng, "--csv", tmp / "b.csv")
 
 
 def test_report_of_a_topic_that_does_not_exist_is_one_line(

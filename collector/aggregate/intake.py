@@ -40,12 +40,15 @@ def add_record(
     agg: Aggregator,
     stats: InputStats,
     key: bytes | None,
-    value: bytes,
+    value: bytes | None,
     *,
     source: int,
     offset: int,
     record_ts_ms: int,
 ) -> None:
+    if value is None:  # a tombstone: no event
+        stats.undecodable += 1
+        return
     node = (key or b"").decode("utf-8", "replace")
     if value[1:2] != _SAMPLE or not _sample(agg, stats, node, value, source, offset, record_ts_ms):
         _event(agg, stats, node, value, source, offset, record_ts_ms)
@@ -63,6 +66,9 @@ def add_kafka_records(
             node_key = key
             node = (key or b"").decode("utf-8", "replace")
         value = m.value
+        if value is None:  # a tombstone: no event
+            stats.undecodable += 1
+            continue
         if value[1:2] != _SAMPLE or not _sample(
             agg, stats, node, value, source, m.offset, m.timestamp
         ):

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +89,11 @@ def parse_checkpoint(text: str | None, where: str = "checkpoint") -> Checkpoint:
 
 
 def _longest(a: list[int] | None, b: list[int]) -> list[int]:
-    return b if a is None else [max(x, y) for x, y in zip(a, b, strict=False)]
+    """Position by position the larger; a position only one list has (the Parquet part count
+    of a replica that added `parquet` since the other was committed) is kept."""
+    if a is None:
+        return b
+    return [max(x, y) for x, y in zip_longest(a, b, fillvalue=0)]
 
 
 def merge_checkpoints(checkpoints: Iterable[Checkpoint]) -> Checkpoint | None:
@@ -335,7 +340,8 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     if outputs.first_start:
         # First start of this group: commit where the files stand now, so a crash before the
         # first window closes cuts back to here rather than appending twice.
-        meta = msgspec.json.encode(outputs.checkpoint(0)).decode()
+        # (the group's last emitted window stays: a replica's first start is not the group's)
+        meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
         reader.commit(settings.group, position, meta)
     last_commit = time.monotonic()
     try:
@@ -425,11 +431,18 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         **security(),
     )
 
+    # Held from the first await of a `publish` to its commit: aiokafka runs the rebalance
+    # listener in its own task, and a partition revoked in between would have its records
+    # published without its offsets (its next owner would publish them again). The revocation
+    # waits for the commit instead, so the next owner starts from it.
+    publishing = asyncio.Lock()
+
     class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-            for tp in revoked:
-                aggs.pop(tp, None)
-                positions.pop(tp, None)
+            async with publishing:
+                for tp in revoked:
+                    aggs.pop(tp, None)
+                    positions.pop(tp, None)
 
         async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
             # aiokafka already hands out records of the new partitions while this runs, and
@@ -458,23 +471,25 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 aggs[tp] = Aggregator(settings.window, emitted_until_ms=meta.emitted_until_ms)
 
     async def publish(outputs: Outputs, records: list[BillingRecord]) -> None:
-        """Files first (cut back on restart), then records and offsets in one transaction."""
-        outputs.write(records)
-        await producer.begin_transaction()
-        try:
-            for r in records:
-                key, value, headers = billing_message(r, settings.billing_format)
-                await producer.send(settings.billing_topic, value, key=key, headers=headers)
+        """Files first (cut back on restart), then records and offsets in one transaction: the
+        offsets of the aggregators that made `records`, taken before anything is awaited."""
+        async with publishing:
+            outputs.write(records)
             offsets = {}
             for tp, agg in aggs.items():
                 meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
                 needed = agg.needed_offsets().get(tp.partition, positions[tp])
                 offsets[tp] = OffsetAndMetadata(needed, meta)
-            await producer.send_offsets_to_transaction(offsets, settings.group)
-            await producer.commit_transaction()
-        except BaseException:
-            await producer.abort_transaction()
-            raise
+            await producer.begin_transaction()
+            try:
+                for r in records:
+                    key, value, headers = billing_message(r, settings.billing_format)
+                    await producer.send(settings.billing_topic, value, key=key, headers=headers)
+                await producer.send_offsets_to_transaction(offsets, settings.group)
+                await producer.commit_transaction()
+            except BaseException:
+                await producer.abort_transaction()
+                raise
 
     outputs: Outputs | None = None
     try:

@@ -46,7 +46,10 @@ def bucket_for(from_ms: int, to_ms: int) -> int:
 async def _from_kafka(source: ConsumerSettings, topic: str, from_ms: int, to_ms: int) -> pa.Table:
     from ..transport.consumer import read_range
 
-    records: list[BillingRecord] = []
+    # A record can be on the topic more than once (published again by a second group or a
+    # redeployment from `earliest`; compaction never touches the active segment): one per
+    # record_id, the last one seen.
+    records: dict[str, BillingRecord] = {}
     # A window's record is published after the window closed: nothing of [from, to) was
     # published before `from`.
     async with read_range(source, topic, from_ms) as reading:
@@ -55,11 +58,12 @@ async def _from_kafka(source: ConsumerSettings, topic: str, from_ms: int, to_ms:
                 if m.value is None:
                     continue
                 try:
-                    records.append(decode_billing(m.value))
+                    record = decode_billing(m.value)
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     where = f"{topic} partition {m.partition} offset {m.offset}"
                     raise LoadError(f"{where}: not a billing record: {e}") from None
-    return from_records(records, from_ms, to_ms)
+                records[record.record_id] = record
+    return from_records(records.values(), from_ms, to_ms)
 
 
 def make_report(args: ReportArgs) -> tuple[Bill, Summary]:

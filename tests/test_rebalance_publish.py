@@ -1,0 +1,85 @@
+"""A rebalance while a replica is publishing (real broker, two replicas in one process): the
+partition taken away mid-transaction leaves with the offsets of the records that transaction
+published, so its next owner does not publish them again. aiokafka runs the rebalance listener
+in its own task, at any await of the replica's loop; here the first billing send is held long
+enough (10 s, past a heartbeat) for the second replica's join to take a partition during it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from streams import (
+    WINDOW,
+    build,
+    create_topic,
+    produce,
+    read_billing,
+    recent_t0,
+    reference,
+    sort_key,
+)
+from test_file_replicas import wait_group_empty
+
+from collector.aggregate.service import AggregateSettings, run_kafka
+
+pytestmark = pytest.mark.kafka
+
+HOLD_S = 10.0
+
+
+def test_a_partition_revoked_mid_publish_is_billed_once(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t0 = recent_t0(300)
+    msgs = build(tmp_path / "nodes", t0)
+    billing = f"{kafka_topic}.billing"
+    group = f"{kafka_topic}.g"
+
+    def settings(instance: str, drain: bool = False) -> AggregateSettings:
+        return AggregateSettings(
+            window=WINDOW, kafka=kafka_bootstrap, topic=kafka_topic, billing_topic=billing,
+            group=group, log_dir=tmp_path, csv=str(tmp_path / f"{instance}.csv"),
+            instance=instance, drain=drain,
+        )  # fmt: skip
+
+    real_send = AIOKafkaProducer.send
+    held = asyncio.Event()
+    joined: list[float] = []
+
+    async def send(self: AIOKafkaProducer, topic: str, *args: Any, **kwargs: Any) -> Any:
+        if topic == billing and not held.is_set():
+            held.set()  # the first transaction with records: hold it while b joins
+            await asyncio.sleep(HOLD_S)
+            joined.append(time.monotonic())
+        return await real_send(self, topic, *args, **kwargs)
+
+    async def scenario() -> None:
+        await create_topic(kafka_bootstrap, kafka_topic, 2)
+        await create_topic(kafka_bootstrap, billing, 1)
+        await produce(kafka_bootstrap, kafka_topic, msgs)
+        monkeypatch.setattr(AIOKafkaProducer, "send", send)
+        stop = asyncio.Event()
+        a = asyncio.create_task(run_kafka(settings("a"), stop))
+        await asyncio.wait_for(held.wait(), 60)
+        b = asyncio.create_task(run_kafka(settings("b"), stop))
+        while not joined:  # a's transaction goes on once the hold is over
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(5)  # b catches up on what it was given
+        stop.set()
+        await asyncio.gather(a, b)
+        # then one replica drains what is left, as in a redeployment (once the static members'
+        # sessions have expired: until then each keeps its partitions)
+        monkeypatch.setattr(AIOKafkaProducer, "send", real_send)
+        await wait_group_empty(kafka_bootstrap, group)
+        await run_kafka(settings("a", drain=True), asyncio.Event())
+
+    asyncio.run(scenario())
+    got = sorted(asyncio.run(read_billing(kafka_bootstrap, billing)), key=sort_key)
+    ids = [r.record_id for r in got]
+    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} records published twice"
+    assert got == sorted(reference(msgs), key=sort_key)

@@ -1,0 +1,80 @@
+"""What each replica's checkpoint keeps across the group: a replica's first start does not
+forget the group's emitted windows, and the Parquet part count survives a merge with commits
+made before `parquet` was on (real files; the local log as the input)."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+from pathlib import Path
+
+from streams import T0_MS, WINDOW, build, reference, write_local_log
+
+from collector.aggregate.service import (
+    AggregateSettings,
+    Checkpoint,
+    Outputs,
+    merge_checkpoints,
+    run_local,
+)
+
+
+def record_ids(path: Path) -> list[str]:
+    with path.open(newline="") as f:
+        return [row["record_id"] for row in csv.DictReader(f)]
+
+
+def test_a_replicas_first_start_keeps_the_groups_emitted_windows(tmp_path: Path) -> None:
+    """Replica 0 drains the first half of the log; replica 1 starts for the first time (and
+    stops at once), then drains the rest: it must not emit again a window replica 0 emitted."""
+    msgs = build(tmp_path / "nodes", T0_MS)
+    half = len(msgs) // 2
+    log = tmp_path / "log"
+    write_local_log(log, msgs[:half])
+
+    def run(instance: str, out: Path, *, stop_at_once: bool = False) -> None:
+        settings = AggregateSettings(
+            window=WINDOW, kafka=None, topic="t", billing_topic="b", group="g", log_dir=log,
+            csv=str(out), instance=instance, drain=True,
+        )  # fmt: skip
+        stopping = asyncio.Event()
+        if stop_at_once:
+            stopping.set()
+        asyncio.run(run_local(settings, stopping))
+
+    run("0", tmp_path / "0.csv")
+    run("1", tmp_path / "1.csv", stop_at_once=True)  # its first start: commits where it stands
+    write_local_log(log, msgs[half:])
+    run("1", tmp_path / "1.csv")
+    first, second = record_ids(tmp_path / "0.csv"), record_ids(tmp_path / "1.csv")
+    assert first and second
+    assert set(first).isdisjoint(second)
+    # together they are the records of one uninterrupted run, but for the windows whose events
+    # straddle the two halves (replica 0's drain closed them early: the rest came late)
+    whole = {r.record_id for r in reference(msgs)}
+    assert set(second) <= whole
+
+
+def test_the_parquet_part_count_survives_a_merge_with_older_commits(tmp_path: Path) -> None:
+    """Replica 0 turned `parquet` on; replica 1's commits still carry replica 0's lengths as
+    [csv, jsonl]. Whatever order the merge sees them in, replica 0's part count stays, so its
+    restart deletes the part it wrote after its last commit (the counterpart of cutting its
+    CSV back)."""
+    records = reference(build(tmp_path / "nodes", T0_MS))
+    parts = tmp_path / "pq"
+    before = Checkpoint(0, 0, 0, {"0": [0, 0], "1": [0, 0]})  # replica 0 without Parquet
+    out = Outputs.open(str(tmp_path / "0.csv"), None, None, before, "0", str(parts))
+    out.write(records[:50])
+    own = out.checkpoint(T0_MS)
+    out.write(records[50:])  # written, then a crash before its commit
+    out.close_files()
+    other = Checkpoint(T0_MS, 0, 0, {"0": [0, 0], "1": [500, 0]})
+    assert own.replicas["0"][2] == 1
+    for order in ([own, other], [other, own]):
+        merged = merge_checkpoints(order)
+        assert merged is not None
+        assert merged.replicas == {"0": own.replicas["0"], "1": [500, 0]}
+        assert merged.parquet_of("0") == 1
+    again = Outputs.open(str(tmp_path / "0.csv"), None, None, merged, "0", str(parts))
+    assert sorted(p.name for p in parts.rglob("*.parquet")) == ["part-0-0000000000.parquet"]
+    again.close_files()
