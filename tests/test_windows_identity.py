@@ -148,3 +148,29 @@ def test_restart_from_the_needed_offsets_gives_the_same_named_records() -> None:
     full, _ = run(events)
     assert names(emitted + again) == names(full)
     assert all(r.namespace == "ml" for r in full)
+
+
+def test_an_identity_read_after_its_window_could_close_names_only_later_ones() -> None:
+    # The identity of 125 s lies within the lateness of [60, 120) (cut-off 130 s), but it is read
+    # after the sample of 130 s, which let that window close (input reordered within the
+    # lateness): it names the windows from 120 s on, whether advance() ran in between or not.
+    c = Collector()
+    events = steady(c, 120)
+    events.insert(3, ident(c, 0, TEAM_A))
+    events.append(ident(c, 125_000, TEAM_B))
+    events += [c.sample(t * 1000, row(1, 100 + t)) for t in range(130, 201, 10)]
+    at = next(i for i, e in enumerate(events) if e.ts == 130_000)
+    events[at - 1], events[at] = events[at], events[at - 1]
+    assert isinstance(events[at], PodIdentity)
+    a = ("ml", "trainer-x", "Deployment", "trainer", {"team": "vision"})
+    b = ("ml", "trainer-x", "Deployment", "trainer", {"team": "speech"})
+    want = [(0, *a), (60, *a), (120, *b), (180, *b), (240, *b)]
+    for advance_at in (None, set(), {at - 1}, {at}, {at - 1, at + 3}):
+        agg = Aggregator(S)
+        out: list[BillingRecord] = []
+        for i, e in enumerate(events):
+            agg.add("n1", e, offset=i)
+            if advance_at is None or i in advance_at:
+                out += agg.advance()
+        out += agg.flush()
+        assert names([r for r in out if r.kind == "container"]) == want, advance_at

@@ -122,8 +122,10 @@ class Aggregator:
             for state in event.containers:
                 tr = self._track(node, inc, state.cid, source)
                 tr.pending.append((eff, ts, seq, self._arrival, state, offset))
-            for identity in event.pods:
-                self._identities.learn(node, identity, ts, seq, source, offset)
+            if event.pods:
+                bound = self._closable()
+                for identity in event.pods:
+                    self._identities.learn(node, identity, ts, seq, source, offset, bound)
         elif isinstance(
             event,
             ContainerAppeared | ContainerGone | ProcessStarted | ProcessExited | LimitsChanged,
@@ -138,7 +140,7 @@ class Aggregator:
             tr.pending.append(runs.entry(event, self._closable(), self._lateness, self._arrival,
                                          offset, stats))  # fmt: skip
         elif isinstance(event, PodIdentity):
-            self._identities.learn(node, event.identity, ts, seq, source, offset)
+            self._identities.learn(node, event.identity, ts, seq, source, offset, self._closable())
         elif isinstance(event, DeviceInventory):
             self._inv.state(node, event, source, offset)
         elif isinstance(event, CollectorStarted):
