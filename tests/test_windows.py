@@ -314,6 +314,36 @@ def test_limits_changed_mid_window() -> None:
     assert r.observed_seconds == 60.0
 
 
+@pytest.mark.parametrize("joins", [True, False])
+def test_a_device_joining_or_leaving_mid_window_is_observed_only_while_listed(
+    joins: bool,
+) -> None:
+    """GPU 1 is in the table only for [30 s, 60 s) (a device HAMi-core registers late), or
+    only for [0, 30 s): its records are observed 30 s, and its idle is the rest of those 30 s
+    (`cores`: a 50 % SM limit takes half)."""
+    c = Collector()
+    one_dev, two = [dev(0)], [dev(0), dev(1)]
+    before, after = (one_dev, two) if joins else (two, one_dev)
+    events = [
+        c.appeared(0, devices=before),
+        c.heartbeat(20_000, state(1, devices=before)),
+        c.limits(30_000, after),
+        c.heartbeat(40_000, state(1, devices=after)),
+        c.heartbeat(59_000, state(1, devices=after)),
+        c.gone(60_000),
+    ]
+    records, _ = run(
+        events, WindowSettings(allocation_policy="cores"), kinds=("container", "gpu", "idle")
+    )
+    gpu1 = {r.kind: r for r in records if r.device_uuid == dev(1).uuid}
+    assert {k: (r.observed_seconds, r.allocated_gpu_seconds) for k, r in gpu1.items()} == {
+        "container": (Decimal("30.000"), Decimal("15.000")),
+        "gpu": (Decimal("30.000"), Decimal("15.000")),
+        "idle": (Decimal("0.000"), Decimal("15.000")),
+    }
+    assert gpu1["container"].memory_limit_byte_seconds == 1000 * 30
+
+
 def test_presence_capped_at_max_gap_after_last_event() -> None:
     c = Collector()
     records, _ = run([c.appeared(0), c.started(10_000, 1)])

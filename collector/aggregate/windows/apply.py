@@ -300,10 +300,12 @@ def set_limits(ig: Integrator, tr: Track, devices: list[DeviceLimit], t: int, of
     devs = tr.devs
     for d in devs.values():
         d.settle()
-    for i, d in devs.items():
-        if d.uuid is not None and (i not in table or table[i].uuid != d.uuid):
-            ig.output.emit(tr)  # a device leaves the table: hand out its window so far
-            break
+    if {i: d.uuid for i, d in devs.items() if d.uuid is not None} != {
+        i: x.uuid for i, x in table.items()
+    }:
+        # A device leaves or joins the table: hand out the window so far under the old table
+        # (a device joining mid-window was not observed before it joined).
+        ig.output.emit(tr)
     for i, d in devs.items():
         if i not in table:
             d.uuid = None
