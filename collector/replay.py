@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from .transport.locallog import LogReader
 
 # Record timestamps are the collector's append or send time, a little after the event time.
 SLACK_MS = 60_000
+# Records between two looks at whether a source has read past the range (a batch is up to 5000).
+CHECK_EVERY = 256
 
 
 @dataclass(frozen=True)
@@ -66,21 +67,26 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _local(log_dir: Path, start_ms: int) -> tuple[int, Iterator[list[Raw]], LogReader]:
+def _local(log_dir: Path, start_ms: int) -> tuple[LogReader, int, int]:
+    """A reader of the log, the offset reading starts at, and `missing_history`."""
     reader = LogReader(log_dir)
     first = reader.offset_for_time(start_ms)
-    total = reader.end_offset() - first
+    kept = reader.read(first, 1)
+    begin = reader.first_offset()
+    return (
+        reader,
+        first,
+        missing_history(begin, first, kept[0].timestamp_ms if kept else None, start_ms),
+    )
 
-    def batches() -> Iterator[list[Raw]]:
-        position = first
-        while True:
-            batch = reader.read(position, 5000)
-            if not batch:
-                return
-            position = batch[-1].offset + 1
-            yield [Raw(0, r.offset, r.timestamp_ms, r.key, r.value) for r in batch]
 
-    return total, batches(), reader
+def missing_history(begin: int, first: int, first_ts: int | None, start_ms: int) -> int:
+    """Offsets the input no longer holds (below `begin`, deleted by retention) that reading
+    from `start_ms` may need: all of them (their count is what is known) when reading starts
+    at the oldest record kept and that one is already newer than `start_ms`, so what was in
+    effect at the range's start may not be seen again; else 0."""
+    late = first_ts is not None and first_ts > start_ms
+    return begin if begin > 0 and first <= begin and late else 0
 
 
 def replay_start_ms(window: WindowSettings, rng: ReplayRange) -> int:
@@ -104,15 +110,17 @@ class Replay:
         self.finished: set[int] = set()  # sources read past the range
         self._aggs: dict[int, Aggregator] = {}
         self._kept: list[BillingRecord] = []
+        self.fed_end = 0  # the offset after the last record taken (of the local log's source)
 
     def feed(self, batch: list[Raw]) -> None:
-        for raw in batch:
+        for i, raw in enumerate(batch, start=1):
             if raw.source in self.finished:
                 continue
             if raw.timestamp_ms > self.stop_ms:
                 self.finished.add(raw.source)
                 continue
             agg = self._aggs.setdefault(raw.source, Aggregator(self.window))
+            self.fed_end = raw.offset + 1
             add_record(
                 agg,
                 self.stats,
@@ -122,11 +130,25 @@ class Replay:
                 offset=raw.offset,
                 record_ts_ms=raw.timestamp_ms,
             )
+            if not i % CHECK_EVERY:
+                self._close(raw.source, agg)
         for source, agg in self._aggs.items():
-            self._kept += [r for r in agg.advance() if _in_range(r, self.rng)]
-            if agg.emitted_until_ms >= self.rng.to_ms:
-                self.finished.add(source)
+            self._close(source, agg)
         self.progress.advance(len(batch))
+
+    def _close(self, source: int, agg: Aggregator) -> None:
+        """The windows `agg` can close (the same records whenever this runs); the source is
+        finished once every window in the range is."""
+        self._kept += [r for r in agg.advance() if _in_range(r, self.rng)]
+        if agg.emitted_until_ms >= self.rng.to_ms:
+            self.finished.add(source)
+
+    def lost_history(self, offsets: int) -> None:
+        """Offsets the input no longer holds that reading may have needed (deleted by
+        retention): said as deleted records, so the replay is not taken for complete."""
+        if offsets:
+            self.stats.damage.missing_segments += 1
+            self.stats.damage.missing_records += offsets
 
     def finish(self, outputs: Outputs) -> InputStats:
         for agg in self._aggs.values():
@@ -140,17 +162,27 @@ class Replay:
 def replay_local(
     log_dir: Path, window: WindowSettings, rng: ReplayRange, csv: str | None, jsonl: str | None
 ) -> tuple[int, InputStats]:
-    start = replay_start_ms(window, rng)
-    total, batches, reader = _local(log_dir, start)
-    replay = Replay(total, window, rng)
-    for batch in batches:
-        replay.feed(batch)
-    read_damage(reader, replay.stats.damage)
-    torn = reader.torn_tail()
-    if torn:
-        time.sleep(TAIL_SETTLE_S)
+    reader, first, lost = _local(log_dir, replay_start_ms(window, rng))
+    replay = Replay(reader.end_offset() - first, window, rng)
+    position, at_end = first, False
+    while 0 not in replay.finished:  # no further than the range needs
+        batch = reader.read(position, 5000)
+        if not batch:
+            at_end = True
+            break
+        position = batch[-1].offset + 1
+        replay.feed([Raw(0, r.offset, r.timestamp_ms, r.key, r.value) for r in batch])
+    damage = replay.stats.damage
+    # Only damage among what the range needed: not what finding its start passed over, nor
+    # what lies after the last record it took.
+    read_damage(reader.damage_in(first, position if at_end else replay.fed_end), damage)
+    replay.lost_history(lost)
+    if at_end:
         torn = reader.torn_tail()
-    replay.stats.damage.torn_tail_bytes = torn
+        if torn:
+            time.sleep(TAIL_SETTLE_S)
+            torn = reader.torn_tail()
+        damage.torn_tail_bytes = torn
     # A new file for the range: what was in it before is replaced.
     outputs = Outputs.open(csv, jsonl, None, Checkpoint())
     try:
@@ -170,6 +202,10 @@ async def replay_kafka(
 ) -> tuple[int, InputStats]:
     async with read_range(source, topic, replay_start_ms(window, rng)) as reading:
         replay = Replay(reading.total, window, rng)
+        start = replay_start_ms(window, rng)
+        for tp in reading.partitions:
+            b = reading.begin[tp]
+            replay.lost_history(missing_history(b, reading.first[tp], reading.first_ts[tp], start))
         async for batch in reading.batches(replay.finished):
             replay.feed([Raw(m.partition, m.offset, m.timestamp, m.key, m.value) for m in batch])
     outputs = Outputs.open(csv, jsonl, None, Checkpoint())

@@ -33,6 +33,7 @@ from streams import (
 )
 
 from collector.aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED
+from collector.aggregate.records import iso_utc
 from collector.transport.locallog import LocalLog, LogReader
 
 SPEC = Spec(seconds=240)
@@ -168,6 +169,38 @@ def test_damaged_log_exits_3_naming_the_damage(tmp_path: Path, stream: list[Msg]
     assert rc == 0, err
 
 
+def test_replay_counts_only_the_damage_it_reads(tmp_path: Path, stream: list[Msg]) -> None:
+    """Damage in the newest segment, after what replaying the first minute reads (it stops once
+    that window has closed): its records are the intact log's, exit 0, no damage."""
+    intact, log = tmp_path / "intact", tmp_path / "log"
+    write_log(intact, stream)
+    flip_newest(log, write_log(log, stream))
+    first_minute = ["--to", "2026-03-02T10:01:00Z"]
+    rc, err = replay(intact, tmp_path / "i.csv", *first_minute)
+    assert (rc, "damage: none" in err) == (0, True), err
+    rc, err = replay(log, tmp_path / "r.csv", *first_minute)
+    assert (rc, "damage: none" in err) == (0, True), err
+    assert read_csv(tmp_path / "r.csv") == read_csv(tmp_path / "i.csv") != []
+
+
+def test_replay_of_a_log_that_no_longer_reaches_back_says_so(
+    tmp_path: Path, stream: list[Msg]
+) -> None:
+    """The two oldest segments deleted (as the log's size bound does once every group has read
+    them): the values in effect at the range's start may be gone, so the replay is not taken
+    for complete (exit 3, the deleted offsets counted), unless --accept-damaged."""
+    log = tmp_path / "log"
+    bases = write_log(log, stream)
+    for base in bases[:2]:
+        segment(log, base).unlink()
+    rc, err = replay(log, tmp_path / "r.csv")
+    assert rc == EXIT_DAMAGED, err
+    found = damage_of(err)
+    assert (found["missing_records"], found["missing_segments"]) == (bases[2], 1), found
+    rc, err = replay(log, tmp_path / "r2.csv", "--accept-damaged")
+    assert rc == 0, err
+
+
 def test_dropped_events_are_seq_gaps(tmp_path: Path, stream: list[Msg]) -> None:
     # The collector could not store some events (a full disk): the stream has holes in seq.
     holes = stream[:500] + stream[520:1000] + stream[1003:]
@@ -200,6 +233,38 @@ def test_seq_gaps_on_the_kafka_path(kafka_bootstrap: str, kafka_topic: str, tmp_
     assert proc.returncode == EXIT_DAMAGED, proc.stderr
     found = damage_of(proc.stderr)
     assert (found["seq_gaps"], found["seq_missing"]) == (1, 7)
+
+
+@pytest.mark.kafka
+def test_replay_of_a_topic_that_no_longer_reaches_back_says_so(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """The usage topic's oldest 500 records of one partition deleted (retention): replaying
+    the whole stream cannot see what was in effect at its start, and says so (exit 3)."""
+    from aiokafka import TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
+
+    t0 = recent_t0(SPEC.seconds)
+    asyncio.run(create_topic(kafka_bootstrap, kafka_topic, 1))
+    asyncio.run(produce(kafka_bootstrap, kafka_topic, build(tmp_path / "nodes", t0, SPEC, NODES)))
+
+    async def delete_oldest() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            await admin.delete_records({TopicPartition(kafka_topic, 0): RecordsToDelete(500)})
+        finally:
+            await admin.close()
+
+    span = ["--from", iso_utc(t0), "--to", iso_utc(t0 + 4 * 60_000)]
+    cmd = ["replay", "--kafka", kafka_bootstrap, "--topic", kafka_topic, *WINDOW_FLAGS, *span]
+    whole = hami(*cmd, "--csv", tmp_path / "whole.csv")
+    assert whole.returncode == 0 and "damage: none" in whole.stderr, whole.stderr
+    asyncio.run(delete_oldest())
+    cut = hami(*cmd, "--csv", tmp_path / "cut.csv")
+    assert cut.returncode == EXIT_DAMAGED, cut.stderr
+    found = damage_of(cut.stderr)
+    assert (found["missing_records"], found["missing_segments"]) == (500, 1), found
 
 
 def checkpoint_file(log: Path) -> Path:

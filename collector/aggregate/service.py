@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from ..transport.locallog import CorruptCheckpointError, LogReader
+from ..transport.locallog import CorruptCheckpointError, LogReader, ReaderStats
 from ..transport.security import KafkaSecurity
 from .billing import Format, billing_message
 from .damage import CheckpointError, DamageReport
@@ -305,8 +305,7 @@ def open_checkpoint(reader: LogReader, group: str, log_dir: Path) -> tuple[int, 
     return committed
 
 
-def read_damage(reader: LogReader, damage: DamageReport) -> None:
-    st = reader.stats
+def read_damage(st: ReaderStats, damage: DamageReport) -> None:
     damage.corrupt_frames = st.corrupt_frames
     damage.missing_records = st.missing_records
     damage.missing_segments = st.missing_segments
@@ -364,7 +363,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 # No traffic at all: the clock stands in for other traffic's record time, and
                 # the next record would close the same windows (windows/progress.py).
                 agg.idle(int(time.time() * 1000))
-            read_damage(reader, damage)
+            read_damage(reader.stats, damage)
             done = not batch and settings.drain
             if done:
                 damage.torn_tail_bytes = await settled_tail(reader)

@@ -95,6 +95,8 @@ class TopicRange:
     partitions: list[TopicPartition]
     first: dict[TopicPartition, int]
     end: dict[TopicPartition, int]
+    begin: dict[TopicPartition, int]  # the oldest offset each partition still holds
+    first_ts: dict[TopicPartition, int | None]  # the record time at `first`, if any
 
     @property
     def total(self) -> int:
@@ -131,11 +133,12 @@ async def read_range(
         found = await consumer.offsets_for_times({tp: max(start_ms, 0) for tp in tps})
         ends = await consumer.end_offsets(tps)  # read_committed: the last stable offsets
         begins = await consumer.beginning_offsets(tps)
-        first = {}
+        first, first_ts = {}, {}
         for tp in tps:
             at = found.get(tp)
             first[tp] = max(at.offset if at is not None else ends[tp], begins[tp])
+            first_ts[tp] = at.timestamp if at is not None else None
             consumer.seek(tp, first[tp])
-        yield TopicRange(consumer, tps, first, ends)
+        yield TopicRange(consumer, tps, first, ends, begins, first_ts)
     finally:
         await consumer.stop()

@@ -57,7 +57,7 @@ class LogReader:
         self._segments: dict[int, SegmentState] = {}
         self._reported_corrupt: set[tuple[int, int, int]] = set()
         self._reported_missing: list[tuple[int, int]] = []  # disjoint, sorted [lo, hi)
-        self._segment_gap_ends: set[int] = set()
+        self._segment_gaps: dict[int, int] = {}  # where a gap ends -> where it starts
 
     def read(self, from_offset: int, max_records: int = 1000) -> list[LogRecord]:
         """Up to `max_records` valid records in offset order, starting at `from_offset`.
@@ -110,6 +110,11 @@ class LogReader:
                 self._report_segment_gap(max(want, end.offset), next_base)
             want = max(want, next_base)
         return out
+
+    def first_offset(self) -> int:
+        """The oldest offset the log still holds (segments below it were deleted), or 0."""
+        bases = self._list()
+        return bases[0] if bases else 0
 
     def end_offset(self) -> int:
         """The offset the next appended record will get, as far as the disk shows."""
@@ -264,6 +269,15 @@ class LogReader:
                 state.cursor_offset, state.cursor_pos = end.offset, end.pos
         return end
 
+    def damage_in(self, lo: int, hi: int) -> ReaderStats:
+        """The damage found so far at offsets in [lo, hi) (`stats` is all of it): what a
+        reader that needed only those offsets passed over."""
+        return ReaderStats(
+            corrupt_frames=sum(lo <= offset < hi for _, _, offset in self._reported_corrupt),
+            missing_records=sum(max(0, min(b, hi) - max(a, lo)) for a, b in self._reported_missing),
+            missing_segments=sum(a < hi and b > lo for b, a in self._segment_gaps.items()),
+        )
+
     def _report_corrupt(self, base: int, pos: int, offset: int) -> None:
         key = (base, pos, offset)
         if key not in self._reported_corrupt:
@@ -273,8 +287,8 @@ class LogReader:
     def _report_segment_gap(self, lo: int, hi: int) -> None:
         # Keyed by where the gap ends (the next segment): reading into the same gap from
         # different offsets counts it once.
-        if hi > lo and hi not in self._segment_gap_ends:
-            self._segment_gap_ends.add(hi)
+        if hi > lo and hi not in self._segment_gaps:
+            self._segment_gaps[hi] = lo
             self.stats.missing_segments += 1
         self._report_missing(lo, hi)
 
