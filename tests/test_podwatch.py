@@ -436,3 +436,28 @@ async def test_container_statuses_and_phase_reach_the_view(
             Run("eval", "terminated", "2026-11-30T10:00:05Z", "2026-11-30T10:00:13Z"),
             Run("log", "waiting", "", "", "2026-11-30T10:00:09Z", 1),
         )
+
+
+async def test_a_null_time_in_a_container_status_is_unknown_not_an_error(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    """An evicted pod whose container the runtime lost: the API server writes its zero times
+    as null. The list still syncs (the pod's run is known to be terminated, its times not),
+    and pods after it are learnt."""
+    evicted = make_pod("ml", "evicted", NODE, ["main"])
+    evicted["status"].update(phase="Failed", reason="Evicted")
+    evicted["status"]["containerStatuses"][0]["state"] = {
+        "terminated": {"exitCode": 137, "reason": "ContainerStatusUnknown",
+                       "startedAt": None, "finishedAt": None}
+    }  # fmt: skip
+    evicted["status"]["containerStatuses"][0]["lastState"] = {
+        "terminated": {"exitCode": 0, "startedAt": None, "finishedAt": None}
+    }
+    uid = server.put_pod(evicted)["metadata"]["uid"]
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        assert watch.view[uid].runs == (Run("main", "terminated"),)
+        later = server.put_pod(make_pod("ml", "later", NODE, ["main"]))["metadata"]["uid"]
+        await until(lambda: later in watch.view)
+        assert watch.stats.errors == 0
+

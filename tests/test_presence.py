@@ -158,6 +158,63 @@ def test_limits_are_billed_only_while_the_container_runs(tmp_path: Path) -> None
     assert {g.pod_uid: g.memory_limit_bytes for g in agg.gauges()} == {DEP: GiB}
 
 
+def test_a_finished_folder_stays_unbilled_once_its_pod_is_forgotten(tmp_path: Path) -> None:
+    """The Job's container ends at +8; from +30 the watch no longer has its pod (deleted, then
+    forgotten after `keep_deleted_s`). Its folder is still there: never tracked again, so its
+    limit is billed for the 8 s it ran, not again from +30."""
+    w = new_cache_file(tmp_path / "root", JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    current: dict[str, PodView] = {}
+    presence = PresenceStage(lambda: current)
+    scanner = Scanner(tmp_path / "root", heartbeat_s=10, inc=1,
+                      identity=IdentityStage(lambda: current), presence=presence)  # fmt: skip
+    events: list[Event] = []
+    for s in range(60):
+        if s < 9:
+            current = {JOB: job("running")}
+        elif s < 30:
+            current = {JOB: job("terminated", 0, 8, phase="Succeeded")}
+        else:
+            current = {}
+        events += scanner.scan(now_ms=T0 + s * 1000)
+    w.close()
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0]
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerGone)] == [9_000]
+    assert presence.stale == 1
+    agg = Aggregator(WindowSettings())
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i)
+    limit = {r.pod_uid: r.memory_limit_byte_seconds for r in agg.flush() if r.kind == "container"}
+    assert limit == {JOB: 4 * GiB * 8}
+
+
+def test_a_missed_restart_that_ends_terminated_bills_each_run(tmp_path: Path) -> None:
+    """The watch knew the run from 0; when it reads again (+16) the container had ended at +10
+    (`lastState`), run again from +12, and ended for good at +15: the two runs are billed,
+    [0, 10) and [12, 15), not the gap between them."""
+    w = new_cache_file(tmp_path / "root", JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    current: dict[str, PodView] = {}
+    presence = PresenceStage(lambda: current)
+    scanner = Scanner(tmp_path / "root", heartbeat_s=10, inc=1, presence=presence)
+    events: list[Event] = []
+    for s in range(30):
+        done = job("terminated", 12, 15, last=10, restarts=1, phase="Succeeded")
+        current = {JOB: job("running") if s < 16 else done}
+        events += scanner.scan(now_ms=T0 + s * 1000)
+    w.close()
+    runs = [(e.running, e.at - T0, e.reason) for e in events if isinstance(e, ContainerRun)]
+    assert runs == [
+        (True, 0, "started"),
+        (False, 10_000, "restart_missed"),
+        (True, 12_000, "started"),
+        (False, 15_000, "finished"),
+    ]
+    agg = Aggregator(WindowSettings())
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i)
+    limit = {r.pod_uid: r.memory_limit_byte_seconds for r in agg.flush() if r.kind == "container"}
+    assert limit == {JOB: 4 * GiB * 13}
+
+
 def test_a_restart_at_every_cut_point_bills_the_same_runs(tmp_path: Path) -> None:
     """The aggregator restarted anywhere (from `needed_offsets()`, windows up to
     `emitted_until_ms` suppressed) gives the records of an uninterrupted run: the running gate

@@ -49,13 +49,19 @@ class PodSpec(msgspec.Struct, frozen=True, rename="camel"):
     containers: list[ContainerSpec] = []
 
 
+# The API server writes a zero time as null (an evicted container whose runtime lost it:
+# `ContainerStatusUnknown` with `startedAt: null`): read as unknown (""), never a decode error,
+# which would fail the whole list or watch stream it came in.
+Time = str | None
+
+
 class Running(msgspec.Struct, frozen=True, rename="camel"):
-    started_at: str = ""
+    started_at: Time = None
 
 
 class Terminated(msgspec.Struct, frozen=True, rename="camel"):
-    started_at: str = ""
-    finished_at: str = ""
+    started_at: Time = None
+    finished_at: Time = None
     exit_code: int = 0
     reason: str = ""
 
@@ -81,14 +87,15 @@ class ContainerStatus(msgspec.Struct, frozen=True, rename="camel"):
     def run(self) -> Run:
         state, last = self.state, self.last_state.terminated
         if state.running is not None:
-            kind, started, finished = "running", state.running.started_at, ""
+            kind, started, finished = "running", state.running.started_at, None
         elif state.terminated is not None:
             kind, started = "terminated", state.terminated.started_at
             finished = state.terminated.finished_at
         else:
-            kind, started, finished = ("waiting" if state.waiting is not None else ""), "", ""
-        return Run(self.name, kind, started, finished,
-                   last.finished_at if last is not None else "", self.restart_count)  # fmt: skip
+            kind, started, finished = ("waiting" if state.waiting is not None else ""), None, None
+        last_finished = last.finished_at if last is not None else None
+        return Run(self.name, kind, started or "", finished or "", last_finished or "",
+                   self.restart_count)  # fmt: skip
 
 
 class PodStatus(msgspec.Struct, frozen=True, rename="camel"):

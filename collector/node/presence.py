@@ -7,7 +7,9 @@ of a `Succeeded`/`Failed` pod, is *stale*: its run ends at Kubernetes' `finished
 (`ContainerRun`, see `runs`), the scan stops tracking its file, which ends it in the stream
 (`ContainerGone` at that scan: usage is billed as measured until then), and it is reported once
 per termination as `stale_container`, with its age since `finishedAt` as `value` (seconds). When
-the container runs again (a restart), its file is tracked again as a new container. While it is
+the container runs again (a restart), its file is tracked again as a new container; once its pod
+is gone from the watch (deleted, and forgotten a while later) it cannot, and its folder stays
+stale while it exists. While it is
 tracked, `runs` states when it runs (restarts the watch missed, a deleted pod).
 
 Without the pod watch nothing is stale: every folder is billed while it exists.
@@ -37,6 +39,10 @@ class PresenceStage:
         self._now: Mapping[str, PodView] = {}
         self._reported: set[tuple[str, str, str]] = set()  # (pod uid, container, finishedAt)
         self._seen: set[tuple[str, str, str]] = set()
+        # (pod uid, container) -> finishedAt of last scan's stale folders: a pod the watch no
+        # longer has (deleted, then forgotten after `keep_deleted_s`) cannot run again, and its
+        # folder, still there, stays stale
+        self._ended: dict[tuple[str, str], str] = {}
         self._offset_ms = 0
         self.runs = Runs(monotonic)
         self.stale = 0  # folders not billed now (gauge)
@@ -52,6 +58,7 @@ class PresenceStage:
         # A termination whose folder went (or whose container runs again) is forgotten.
         self._reported &= self._seen
         self.stale = len(self._seen)
+        self._ended = {(uid, container): at for uid, container, at in self._seen}
 
     def process(self, files: Iterable[FileState], now_ms: int, stamp: Stamp) -> list[Event]:
         """After the diff: the running intervals of the tracked containers (`runs`)."""
@@ -69,11 +76,15 @@ class PresenceStage:
     ) -> bool:
         pv = self._now.get(pod_uid)
         if pv is None:
-            return False
+            ended = self._ended.get((pod_uid, container))
+            if ended is not None:
+                self._seen.add((pod_uid, container, ended))
+            return ended is not None
         run = pv.run(container)
         finished: str | None = None
+        started = last = ""
         if run is not None and run.state == "terminated":
-            finished = run.finished
+            finished, started, last = run.finished, run.started, run.last_finished
         elif run is not None and run.state == "waiting" and run.last_finished:
             finished = run.last_finished
         elif pv.phase in _DONE:
@@ -81,7 +92,8 @@ class PresenceStage:
         if finished is None:
             return False
         if cid >= 0:
-            events += self.runs.stop(cid, iso_ms(finished), now_ms, self._offset_ms, stamp)
+            events += self.runs.stop(cid, iso_ms(finished), now_ms, self._offset_ms, stamp,
+                                     started, last)  # fmt: skip
         key = (pod_uid, container, finished)
         self._seen.add(key)
         if key not in self._reported:

@@ -56,14 +56,27 @@ class Runs:
         self.gates: dict[int, Gate] = {}
 
     def stop(
-        self, cid: int, at: int | None, now_ms: int, offset_ms: int, stamp: Stamp
+        self,
+        cid: int,
+        at: int | None,
+        now_ms: int,
+        offset_ms: int,
+        stamp: Stamp,
+        started: str = "",
+        last_finished: str = "",
     ) -> list[Event]:
         """The container's run ended at `at` (wall ms; None: now) and its file is no longer
-        tracked."""
+        tracked. `started`: the startedAt of the run that ended; one other than the run the
+        collector said is running is a restart the watch missed (`lastState` tells when the
+        run it knew ended)."""
         gate = self.gates.pop(cid, Gate())
         if gate.running is False:
             return []
-        return [self._send(gate, cid, False, at, now_ms, offset_ms, "finished", stamp)]
+        events: list[Event] = []
+        if gate.running is True and gate.started and started and started != gate.started:
+            self._running(cid, gate, started, last_finished, now_ms, offset_ms, stamp, events)
+        events.append(self._send(gate, cid, False, at, now_ms, offset_ms, "finished", stamp))
+        return events
 
     def process(
         self,
