@@ -158,6 +158,14 @@ def test_limits_are_billed_only_while_the_container_runs(tmp_path: Path) -> None
     assert {g.pod_uid: g.memory_limit_bytes for g in agg.gauges()} == {DEP: GiB}
 
 
+def limits_billed(events: list[Event]) -> dict[str, Decimal]:
+    """Per pod, the memory-limit byte-seconds its container records bill."""
+    agg = Aggregator(WindowSettings())
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i)
+    return {r.pod_uid: r.memory_limit_byte_seconds for r in agg.flush() if r.kind == "container"}
+
+
 def test_a_finished_folder_stays_unbilled_once_its_pod_is_forgotten(tmp_path: Path) -> None:
     """The Job's container ends at +8; from +30 the watch no longer has its pod (deleted, then
     forgotten after `keep_deleted_s`). Its folder is still there: never tracked again, so its
@@ -180,10 +188,7 @@ def test_a_finished_folder_stays_unbilled_once_its_pod_is_forgotten(tmp_path: Pa
     assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0]
     assert [e.ts - T0 for e in events if isinstance(e, ContainerGone)] == [9_000]
     assert presence.stale == 1
-    agg = Aggregator(WindowSettings())
-    for i, e in enumerate(events):
-        agg.add("n1", e, offset=i)
-    limit = {r.pod_uid: r.memory_limit_byte_seconds for r in agg.flush() if r.kind == "container"}
+    limit = limits_billed(events)
     assert limit == {JOB: 4 * GiB * 8}
 
 
@@ -208,10 +213,7 @@ def test_a_missed_restart_that_ends_terminated_bills_each_run(tmp_path: Path) ->
         (True, 12_000, "started"),
         (False, 15_000, "finished"),
     ]
-    agg = Aggregator(WindowSettings())
-    for i, e in enumerate(events):
-        agg.add("n1", e, offset=i)
-    limit = {r.pod_uid: r.memory_limit_byte_seconds for r in agg.flush() if r.kind == "container"}
+    limit = limits_billed(events)
     assert limit == {JOB: 4 * GiB * 13}
 
 
