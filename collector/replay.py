@@ -83,9 +83,9 @@ def _local(log_dir: Path, start_ms: int) -> tuple[LogReader, int, int]:
 def missing_history(begin: int, first: int, first_ts: int | None, start_ms: int) -> int:
     """Offsets the input no longer holds (below `begin`, deleted by retention) that reading
     from `start_ms` may need: all of them (their count is what is known) when reading starts
-    at the oldest record kept and that one is already newer than `start_ms`, so what was in
-    effect at the range's start may not be seen again; else 0."""
-    late = first_ts is not None and first_ts > start_ms
+    at the oldest record kept and that one is already newer than `start_ms` (or nothing is kept
+    at all), so what was in effect at the range's start may not be seen again; else 0."""
+    late = first_ts is None or first_ts > start_ms
     return begin if begin > 0 and first <= begin and late else 0
 
 

@@ -34,6 +34,7 @@ from streams import (
 
 from collector.aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED
 from collector.aggregate.records import iso_utc
+from collector.replay import missing_history
 from collector.transport.locallog import LocalLog, LogReader
 
 SPEC = Spec(seconds=240)
@@ -199,6 +200,17 @@ def test_replay_of_a_log_that_no_longer_reaches_back_says_so(
     assert (found["missing_records"], found["missing_segments"]) == (bases[2], 1), found
     rc, err = replay(log, tmp_path / "r2.csv", "--accept-damaged")
     assert rc == 0, err
+
+
+def test_what_counts_as_history_deleted() -> None:
+    """`missing_history(begin, first, first_ts, start)`: offsets deleted below `begin` count
+    only when reading starts at the oldest record kept and that one is newer than the start,
+    or nothing is kept at all."""
+    assert missing_history(0, 0, 5_000, 1_000) == 0  # nothing was ever deleted
+    assert missing_history(500, 500, 2_000, 1_000) == 500  # the oldest kept is too new
+    assert missing_history(500, 500, None, 1_000) == 500  # everything deleted
+    assert missing_history(500, 700, 2_000, 1_000) == 0  # older records kept: seen again
+    assert missing_history(500, 700, None, 1_000) == 0  # all kept is older than the start
 
 
 def test_dropped_events_are_seq_gaps(tmp_path: Path, stream: list[Msg]) -> None:

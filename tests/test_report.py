@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import resource
 import shutil
 import subprocess
 from dataclasses import replace
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from streams import T0_MS, hami, msg, write_local_log
+from streams import HAMI_USAGE, T0_MS, env, hami, msg, write_local_log
 from test_fair_share import run, schedules
 
 from collector.aggregate.columns import to_table
@@ -337,6 +338,25 @@ def test_html_report_opens_in_headless_chromium(pipeline: Path) -> None:
     chart = dom[start : dom.index("</figure>", start)]
     assert "reserved but idle" in chart and "rest of allocated" in chart and ">used<" in chart
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_output_that_cannot_be_written_whole_is_one_line_and_no_cut_off_file(
+    pipeline: Path,
+) -> None:
+    """The disk takes 4 KiB and no more (RLIMIT_FSIZE, as a full disk would refuse): the
+    report says which file in one line, exit 1, and leaves no half page behind."""
+    page = pipeline / "cut.html"
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    proc = subprocess.run(
+        [str(HAMI_USAGE), "report", *RANGE, "--parquet", str(pipeline / "pq"),
+         "--prices", str(pipeline / "prices.toml"), "--html", str(page)],
+        capture_output=True, text=True, timeout=120, env=env(), preexec_fn=small_files,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (1, f"hami-usage report: {page}: File too large\n")
+    assert not page.exists() and not Path(f"{page}.part").exists()
 
 
 def test_a_range_without_records_is_a_quiet_empty_report(pipeline: Path) -> None:

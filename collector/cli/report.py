@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -97,17 +99,28 @@ def _run(args: argparse.Namespace) -> int:
     except LoadError as exc:
         print(f"hami-usage report: {exc}", file=sys.stderr)
         return 1
-    try:
-        if args.out_csv:
-            Path(args.out_csv).write_text(to_csv(bill))
-        if args.html:
-            title = f"GPU chargeback {args.from_} .. {args.to}"
-            Path(args.html).write_text(render(bill, summary, title))
-    except OSError as exc:  # checked at start; a disk that filled up since
-        print(f"hami-usage report: {exc.filename}: {exc.strerror}", file=sys.stderr)
+    if args.out_csv and not _write(args.out_csv, to_csv(bill)):
+        return 1
+    title = f"GPU chargeback {args.from_} .. {args.to}"
+    if args.html and not _write(args.html, render(bill, summary, title)):
         return 1
     sys.stdout.write(table_text(bill))
     return 0
+
+
+def _write(path: str, text: str) -> bool:
+    """`text` to `path` whole or not at all (checked at start; a disk that filled up since is
+    one line, and no cut-off file)."""
+    part = f"{path}.part"
+    try:
+        Path(part).write_text(text)
+        os.replace(part, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        print(f"hami-usage report: {path}: {exc.strerror}", file=sys.stderr)
+        return False
+    return True
 
 
 COMMAND = Command(

@@ -129,6 +129,7 @@ class _Dir:
     skipped: list[Skipped] = field(default_factory=list)
     entries: int = 0
     listed_at: float = 0.0  # time.monotonic() of the listing
+    failed: bool = False  # the listing could not be made: what is in the folder is unknown
 
 
 class Discovery:
@@ -271,6 +272,8 @@ class Discovery:
         for _, name, path, mtime_ns in sorted(due):
             if name in out and spent >= self.limits.budget_s:
                 self.stats.deferred += 1  # keep the last listing; list it next scan
+                if out[name].failed:
+                    self.unlisted.add(path)  # still unknown, not empty
                 continue
             started = time.perf_counter()
             out[name] = self._list(name, path, mtime_ns, now)
@@ -330,6 +333,7 @@ class Discovery:
             d.skipped.append(Skipped(path, SYMLINK))  # swapped for a symlink: not ours now
         else:
             d.skipped.append(Skipped(path, f"cannot list: {exc.strerror}"))
+            d.failed = True
             self.unlisted.add(path)
         d.mtime_ns = -1  # never a cache hit: list it again next scan
         return d
