@@ -362,3 +362,32 @@ async def test_bind_address(serve: Serve) -> None:
     assert (await asyncio.to_thread(get, port, "/healthz", "127.0.0.2"))[0] == 200
     with pytest.raises(urllib.error.URLError):
         await asyncio.to_thread(get, port, "/healthz", "127.0.0.1")
+
+
+async def test_two_cache_files_of_one_container_are_one_series(tmp_path: Path) -> None:
+    """A folder with a second cache file (one left by an earlier run next to the new one): one
+    series per label set, the two files' memory summed (Prometheus drops a duplicate series'
+    second sample as a duplicate)."""
+    root = tmp_path / "containers"
+    writers = [new_cache_file(root, POD, "main", V12, [SimDevice(GPU, 8 * GiB, 40)]) for _ in "ab"]
+    for i, w in enumerate(writers):
+        w.add_process(7, 4242 + i)
+        w.add_memory(7, 0, "data", (i + 1) * GiB)
+    collector = Collector(CollectSettings(root=root, node="n1", log_dir=tmp_path / "log",
+                                          interval_s=0.1, nvml=False, metrics_port=0))  # fmt: skip
+    task = asyncio.create_task(collector.run())
+    try:
+        while collector.scanner.stats.scans < 2:
+            await asyncio.sleep(0.05)
+        body = await scrape(collector)
+    finally:
+        collector.stopping.set()
+        await task
+        for w in writers:
+            w.close()
+    name = "hami_usage_container_memory_used_bytes"
+    used = [ln for ln in body.splitlines() if ln.startswith(name + "{")]
+    assert len(used) == 1, used
+    labels = own_labels("", POD, "main", GPU)
+    assert samples(body)[(name, labels)] == 3 * GiB
+    assert samples(body)[("hami_usage_container_processes", labels)] == 1  # pid 7 in both

@@ -11,8 +11,17 @@ from typing import Any
 
 import pytest
 
+from collector.events import LayoutAnomaly, decode, encode
 from collector.node import discover
-from collector.node.discover import SYMLINK, CacheFile, Discovery, ListingLimits, Skipped
+from collector.node.discover import (
+    NOT_UTF8,
+    SYMLINK,
+    CacheFile,
+    Discovery,
+    ListingLimits,
+    Skipped,
+)
+from collector.node.scan import Scanner
 
 POD = "0f4e8a52-7d3c-4b8e-9a51-3c2d1e0f9a88"
 LARGE = "large_directory"
@@ -118,6 +127,27 @@ def test_name_without_underscore_and_every_symlink_are_skipped_and_reported(
         Skipped(str(root / f"{POD}_other" / "link.cache"), SYMLINK),
         Skipped(str(root / "nounderscore"), "directory name has no '_' (podUID_container)"),
     ]
+
+
+def test_names_that_are_not_utf8_are_reported_not_read(tmp_path: Path) -> None:
+    """Names go into events and metric labels (UTF-8): a folder or file a tenant named with
+    other bytes is reported, its bytes escaped, and not read; the rest of the node is."""
+    ok = touch_cache(tmp_path / f"{POD}_main")
+    root_b = os.fsencode(tmp_path)
+    os.makedirs(root_b + b"/" + POD.encode() + b"_c\xff\xfe")
+    touch_cache(Path(os.fsdecode(root_b + b"/" + POD.encode() + b"_c\xff\xfe")))
+    with open(root_b + b"/" + POD.encode() + b"_main/b\xe9.cache", "wb"):
+        pass
+    files, skipped = Discovery(tmp_path).scan()
+    assert files == [entry(ok, POD, "main")]
+    assert sorted(skipped, key=lambda s: s.path) == [
+        Skipped(f"{tmp_path}/{POD}_c\\xff\\xfe", NOT_UTF8),
+        Skipped(f"{tmp_path}/{POD}_main/b\\xe9.cache", NOT_UTF8),
+    ]
+    events = Scanner(tmp_path, heartbeat_s=1, inc=1).scan(now_ms=1_700_000_000_000)
+    reported = [e for e in events if isinstance(e, LayoutAnomaly) and e.anomaly == "skipped_path"]
+    assert sorted(e.path for e in reported) == sorted(s.path for s in skipped)
+    assert all(decode(encode(e)) == e for e in events)  # every event goes out
 
 
 def test_fifo_named_cache_is_skipped_not_opened(tmp_path: Path) -> None:

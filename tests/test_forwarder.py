@@ -4,15 +4,18 @@ an event no Kafka request can carry, and a spool that ends below its checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 
+import certifi
 import pytest
 from streams import consume_plain, create_topic
 
 from collector.transport.kafka import FORWARDER_GROUP, KafkaForwarder, ProducerSettings
 from collector.transport.locallog import LocalLog, LogReader
 from collector.transport.locallog.frames import list_segments, segment_name
+from collector.transport.security import KafkaSecurity
 
 pytestmark = pytest.mark.kafka
 
@@ -27,12 +30,15 @@ def spool_of(directory: Path, values: list[bytes]) -> LocalLog:
     return spool
 
 
-def forward(spool: LocalLog, directory: Path, bootstrap: str, topic: str) -> KafkaForwarder:
+def forward(
+    spool: LocalLog, directory: Path, bootstrap: str, topic: str, compression: str = "gzip"
+) -> KafkaForwarder:
     """A forwarder of `spool` sending until the spool is drained (at most 60 s)."""
 
     async def run() -> KafkaForwarder:
         await create_topic(bootstrap, topic, partitions=1)
-        fwd = KafkaForwarder(ProducerSettings(bootstrap, topic=topic), spool, directory)
+        settings = ProducerSettings(bootstrap, topic=topic, compression=compression)
+        fwd = KafkaForwarder(settings, spool, directory)
         try:
             async with asyncio.timeout(60):
                 while fwd.depth():
@@ -83,3 +89,46 @@ def test_a_spool_that_ends_below_its_checkpoint_is_sent_from_its_end(
     assert on_topic(kafka_bootstrap, kafka_topic) == [b"new-0", b"new-1", b"new-2"]
     assert (fwd.stats.sent, fwd.depth()) == (3, 0)
     assert LogReader(tmp_path).committed(FORWARDER_GROUP) == (3, "")
+
+
+def test_compression_none_sends(tmp_path: Path, kafka_bootstrap: str, kafka_topic: str) -> None:
+    """`compression = "none"` (README: gzip snappy lz4 zstd none) is no compression to
+    aiokafka, not a name it refuses (which stopped the forwarder for good)."""
+    spool = spool_of(tmp_path, [b"a", b"b"])
+    fwd = forward(spool, tmp_path, kafka_bootstrap, kafka_topic, "none")
+    assert on_topic(kafka_bootstrap, kafka_topic) == [b"a", b"b"]
+    assert (fwd.stats.sent, fwd.stats.send_failures) == (2, 0)
+
+
+def test_tls_files_that_go_bad_are_retried_until_fixed(tmp_path: Path) -> None:
+    """The CA file is replaced by one that cannot be loaded while the forwarder retries (a
+    Secret being rotated): a refusal, counted and retried, so fixing the file is enough; the
+    forwarder never stops. (The broker address answers nothing: no broker is needed.)"""
+    ca = tmp_path / "ca.pem"
+    good = Path(certifi.where()).read_bytes()  # a CA bundle (certifi: kubernetes-asyncio's)
+    ca.write_bytes(good)
+    security = KafkaSecurity(protocol="SSL", ca_file=str(ca))
+    spool = spool_of(tmp_path / "spool", [b"a"])
+
+    async def run() -> tuple[bool, bool, dict[str, int]]:
+        fwd = KafkaForwarder(
+            ProducerSettings("127.0.0.1:9", security=security), spool, tmp_path / "spool"
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(fwd.run(stop))
+        await asyncio.sleep(1)
+        ca.write_text("not a certificate\n")
+        await asyncio.sleep(3)
+        bad = task.done()
+        ca.write_bytes(good)
+        await asyncio.sleep(2)
+        fixed = task.done()
+        stop.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return bad, fixed, dict(fwd.stats.refused)
+
+    bad, fixed, refused = asyncio.run(run())
+    assert (bad, fixed) == (False, False)
+    assert refused.get("certificate", 0) >= 1

@@ -319,3 +319,17 @@ def test_each_principal_has_only_its_own_rights(
             await read(client("aggregator"), names["billing"])
 
     asyncio.run(main())
+
+
+def test_topics_without_describe_configs_says_so_not_differences(
+    secure: SecureBroker, names: dict[str, str]
+) -> None:
+    """`reader` may read the billing topic but not describe its configs: the check cannot be
+    made, which is one line naming the missing ACL, not invented differences (`=None`)."""
+    proc = run(
+        "topics", *sasl(secure, "reader"), "--topic", names["usage"],
+        "--billing-topic", names["billing"], "--usage-partitions", "2",
+        "--billing-partitions", "2", "--replication-factor", "1", "--min-insync-replicas", "1",
+    )  # fmt: skip
+    one_line_refusal(proc, "not authorized", "an ACL is missing")
+    assert "=None" not in proc.stdout, proc.stdout

@@ -48,6 +48,9 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO named *.cache must not hang the open; O_NOCTTY: nor a tty become ours.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 SYMLINK = "a symlink: never followed below the root"
+# Names go into events and metric labels, which are UTF-8: a name that is not is reported (its
+# bytes escaped) and its folder or file not read.
+NOT_UTF8 = "a name that is not UTF-8"
 # A change within the filesystem's timestamp granularity can leave a folder's times as they
 # were: a stamp newer than this proves nothing.
 TIMESTAMP_WINDOW_NS = 2_000_000_000
@@ -184,6 +187,9 @@ class Discovery:
         old = time.time_ns() - TIMESTAMP_WINDOW_NS
         for entry in entries:
             name = entry.name
+            if not name.isascii() and not _utf8(name):
+                skipped.append(Skipped(_shown(self.root, name), NOT_UTF8))
+                continue
             path = paths.get(name)
             if path is None:
                 path = paths[name] = os.path.join(root, name)
@@ -313,6 +319,9 @@ class Discovery:
         finally:
             os.close(fd)
         for entry in sorted(found, key=lambda e: e.name):
+            if not entry.name.isascii() and not _utf8(entry.name):
+                d.skipped.append(Skipped(_shown(path, entry.name), NOT_UTF8))
+                continue
             file_path = os.path.join(path, entry.name)
             try:
                 # d_type from the listing, else an lstat relative to the directory's fd.
@@ -473,3 +482,17 @@ def _fd_bound(wanted: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return wanted
     return max(0, min(wanted, soft - FD_RESERVE))
+
+
+def _utf8(name: str) -> bool:
+    """A name from the filesystem (undecodable bytes held as surrogates) that is UTF-8."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(directory: Path | str, name: str) -> str:
+    """The path of a name that is not UTF-8, its bytes escaped (\\xff), as events carry it."""
+    return os.path.join(directory, os.fsencode(name).decode("utf-8", "backslashreplace"))

@@ -7,6 +7,7 @@ answers (status, content type, body). Anything but GET is 405, an unknown path 4
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -79,5 +80,10 @@ class HttpServer:
             await writer.drain()
         except (TimeoutError, ConnectionError) as exc:
             log.debug("HTTP request dropped: %s", exc)
+        except Exception:  # a route's failure is that request's, never the server's
+            log.exception("HTTP request failed")
+            with contextlib.suppress(ConnectionError):
+                writer.write(b"HTTP/1.0 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n")
+                await writer.drain()
         finally:
             writer.close()

@@ -28,7 +28,7 @@ from tenacity import (
 )
 
 from .locallog import LocalLog, LogReader
-from .security import KafkaSecurity, Refusal, classify
+from .security import KafkaSecurity, Refusal, SecurityError, classify
 from .topics import TopicSpec, warn_on_mismatch
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def make_producer(s: ProducerSettings) -> AIOKafkaProducer:
         bootstrap_servers=s.bootstrap,
         enable_idempotence=True,  # implies acks=all; no duplicates from the producer's retries
         linger_ms=s.linger_ms,
-        compression_type=s.compression,
+        compression_type=None if s.compression == "none" else s.compression,
         request_timeout_ms=s.request_timeout_ms,
         client_id="hami-usage-collector",
         **s.security.client_kwargs(),
@@ -215,7 +215,9 @@ class KafkaForwarder:
     def _log_retry(self, state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
         refusal = error.refusal if isinstance(error, KafkaRefused) else None
-        if refusal is None and error is not None:
+        if isinstance(error, SecurityError):
+            refusal = Refusal("certificate", str(error))
+        elif refusal is None and error is not None:
             refusal = classify(error)
         if refusal is not None:
             self._count_refused(refusal)
@@ -238,7 +240,9 @@ class KafkaForwarder:
             return self._producer
         async for attempt in AsyncRetrying(
             wait=wait_exponential(multiplier=0.2, max=5),
-            retry=retry_if_exception_type(KafkaError),
+            # SecurityError: TLS files that cannot be loaded now (a Secret being replaced):
+            # fixing them is enough, as for a refusal
+            retry=retry_if_exception_type((KafkaError, SecurityError)),
             before_sleep=self._log_retry,
         ):
             with attempt:

@@ -123,11 +123,15 @@ async def describe(admin: Any, names: list[str]) -> dict[str, TopicState | None]
     responses = await admin.describe_configs(
         [ConfigResource(ConfigResourceType.TOPIC, name) for name in present]
     )
+    from aiokafka.errors import for_code
+
     configs: dict[str, dict[str, str]] = {}
     for response in responses:
         for resource in response.resources:
             # (error_code, error_message, resource_type, resource_name, config_entries); an
             # entry starts (name, value, ...).
+            if resource[0]:  # e.g. no DescribeConfigs ACL: the configs are unknown, not empty
+                raise for_code(resource[0])(f"{resource[3]}: {resource[1] or 'describe configs'}")
             configs[resource[3]] = {entry[0]: entry[1] for entry in resource[4]}
     for name in present:
         partitions = metadata[name]["partitions"]

@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ...events import ContainerState
+from ...events import ContainerState, DeviceLimit, UsageRow
 from ..nvml import NvmlDevice
 from . import catalog
 
@@ -102,14 +102,43 @@ class Scrape:
     legacy: bool = False
 
 
+@dataclass
+class _Container:
+    """The published states of one (pod uid, container) together: a folder can hold more than
+    one cache file (one left by an earlier run next to the new one), and a series must be one
+    per label set, so their rows are summed; the device table is the first file's."""
+
+    pod_uid: str
+    container: str
+    devices: dict[int, DeviceLimit] = field(default_factory=dict)
+    rows: list[UsageRow] = field(default_factory=list)
+    last_kernel: int | None = None
+
+
+def _containers(published: Published) -> Iterator[_Container]:
+    merged: dict[tuple[str, str], _Container] = {}
+    for state, last_kernel in published:
+        key = (state.pod_uid, state.container)
+        c = merged.get(key)
+        if c is None:
+            c = merged[key] = _Container(*key)
+        for dev in state.devices:
+            c.devices.setdefault(dev.index, dev)
+        c.rows += state.rows
+        if last_kernel and (c.last_kernel is None or last_kernel > c.last_kernel):
+            c.last_kernel = last_kernel
+    return iter(merged.values())
+
+
 def _container_series(
     scrape: Scrape,
 ) -> Iterator[tuple[catalog.Scope, dict[str, str], ContainerDevice]]:
     migs = {m.uuid: (d, m) for d in scrape.devices.values() for m in d.mig_devices}
-    for state, last_kernel in scrape.published:
+    for state in _containers(scrape.published):
+        last_kernel = state.last_kernel
         names = scrape.pod_names(state.pod_uid)
         namespace, pod = names if names else ("", "")
-        for dev in state.devices:
+        for dev in state.devices.values():
             rows = [r for r in state.rows if r.device == dev.index]
             context = {
                 "namespace": namespace,
