@@ -868,6 +868,46 @@ def test_a_torn_slot_is_not_an_exit(root: Path, writers: list[CacheWriter]) -> N
     assert h.scan() == []
 
 
+@pytest.mark.parametrize("layout", [V12, V11], ids=["v1.2", "v1.1"])
+def test_a_torn_slot_holds_back_only_the_process_now_in_it(
+    root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch, layout: Layout
+) -> None:
+    """101 exits and compaction moves 102 into its slot, which is then being written all
+    through the scan (a torn read, with a seqlock or without one): 101's exit goes out, and
+    only 102 (the pid read in the slot) is held back, not the process last seen there."""
+    w = make(writers, root, layout)
+    for pid in (100, 101, 102):
+        w.add_process(pid, 5000 + pid)
+        w.add_memory(pid, 0, "data", (pid - 99) * GiB)
+    h = Harness(root)
+    h.scan()
+    w.exit(101)
+    if layout.slot_seqlock is not None:
+        w.compact()
+    assert w.slot_of(102) == 1
+    real = os.pread
+    moving = w.region.procs[1]
+
+    def writing(fd: int, n: int, offset: int) -> bytes:
+        moving.monitorused[0] += 1  # the watcher writes the slot between any two reads
+        if layout.slot_seqlock is not None:
+            moving.seqlock += 2
+        return real(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", writing)
+    events = h.scan()
+    monkeypatch.undo()
+    assert [b for b in events if b[0] != "LayoutAnomaly"] == [
+        ev(ProcessExited, cid=0, pid=101, hostpid=5101)
+    ]
+    assert [(b[1]["anomaly"], b[1]["slot"], b[1]["value"]) for b in events
+            if b[0] == "LayoutAnomaly"] == [("torn_read", 1, 102)]  # fmt: skip
+    assert sorted({pk[:2] for pk in h.scanner._files[next(iter(h.scanner._files))].rows}) == [
+        (100, 5100),
+        (102, 5102),
+    ]
+
+
 def test_a_file_that_turns_unreadable_keeps_its_processes_and_is_restated_after(
     root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -295,14 +295,15 @@ def _sample(
 
 
 def _held(st: FileState, snap: Snapshot) -> set[ProcKey]:
-    """Processes in a slot this snapshot left out as torn_read: last seen there, or with the
-    pid the collector read there (`value`, when it could)."""
+    """Processes in a slot this snapshot left out as torn_read: the one with the pid the
+    collector read there (`value`), wherever it was last seen (compaction moves processes
+    down); the one last seen in that slot only when its pid could not be read."""
     torn = [a for a in snap.anomalies if a.kind == "torn_read"]
     if not torn:
         return set()
-    slots = {a.slot for a in torn}
+    slots = {a.slot for a in torn if not a.value}
     pids = {a.value for a in torn if a.value}
-    return {pk for pk in st.procs if st.slots.get(pk) in slots or pk[0] in pids}
+    return {pk for pk in st.procs if pk[0] in pids or st.slots.get(pk) in slots}
 
 
 def _report_anomalies(

@@ -159,18 +159,18 @@ class WriterFaults:
         now_s: float,
     ) -> None:
         seen: dict[int, tuple[int, bytes, float]] = {}
-        if layout.slot_seqlock is not None:
-            for a in [a for a in anomalies if a.kind == "torn_read" and a.slot is not None]:
-                k = a.slot
-                assert k is not None
-                # The slot's pid (not under the seqlock, so as good as any read): the process
-                # whose exit the torn slot holds back, wherever compaction moved it from.
-                pid = _pread(fd, layout.slot_offset(k), 4)
-                if len(pid) == 4:
-                    i = anomalies.index(a)
-                    anomalies[i] = a = msgspec.structs.replace(
-                        a, value=int.from_bytes(pid, "little", signed=True)
-                    )
+        for a in [a for a in anomalies if a.kind == "torn_read" and a.slot is not None]:
+            k = a.slot
+            assert k is not None
+            # The slot's pid (not under the seqlock, so as good as any read), every layout:
+            # the process whose exit the torn slot holds back, wherever compaction moved it.
+            pid = _pread(fd, layout.slot_offset(k), 4)
+            if len(pid) == 4:
+                i = anomalies.index(a)
+                anomalies[i] = a = msgspec.structs.replace(
+                    a, value=int.from_bytes(pid, "little", signed=True)
+                )
+            if layout.slot_seqlock is not None:
                 got = _stable_odd(fd, layout, k)
                 if got is None:
                     continue  # really changing: a torn read this time
