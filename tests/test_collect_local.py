@@ -331,3 +331,46 @@ def test_sigkill_mid_run_then_restart_on_the_same_log(
     assert isinstance(runs[1][1], ContainerAppeared)
     assert len({e.cid for e in runs[1] if isinstance(e, ContainerAppeared)}) == 64
     fold(runs[1])
+
+
+def test_a_stalled_collector_does_not_run_the_missed_scans_back_to_back(tmp_path: Path) -> None:
+    """Stopped for 3 s (SIGSTOP, as a node under memory pressure or a debugger does) at a
+    0.5 s interval: on resuming it scans once and goes on at the interval, instead of running
+    the six scans it missed at once."""
+    import socket
+    import urllib.request
+
+    (tmp_path / "root").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(HAMI_USAGE), "collect", "--root", str(tmp_path / "root"), "--log",
+           str(tmp_path / "log"), "--node", "n1", "--interval", "0.5", "--heartbeat", "100",
+           "--no-nvml", "--no-kubernetes", "--metrics-port", str(port),
+           "--metrics-bind-address", "127.0.0.1"]  # fmt: skip
+
+    def scans() -> float:
+        url = f"http://127.0.0.1:{port}/metrics"
+        try:
+            body = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            return -1.0
+        found = re.search(r"^hami_usage_scans_total (\S+)", body, re.M)
+        return float(found.group(1)) if found else -1.0
+
+    with (tmp_path / "err").open("wb") as err:
+        proc = subprocess.Popen(cmd, stderr=err)
+    try:
+        deadline = time.monotonic() + 30
+        while scans() < 2:
+            assert time.monotonic() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.1)
+        before = scans()
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(3)
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.35)
+        assert scans() - before <= 2  # not the six missed ones one after another
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -254,6 +254,26 @@ def test_bound_without_checkpoint_rejects_and_counts(tmp_path: Path) -> None:
     assert read_all(LogReader(tmp_path)) == [record(i) for i in range(10)]
 
 
+def test_no_smaller_record_slips_in_while_the_bound_rejects(tmp_path: Path) -> None:
+    """A record the bound rejects keeps rejecting until it would fit: a smaller one after it
+    (which alone would fit) is rejected too, so the episode does not end at once and no event
+    is stored after the ones it follows were dropped. Room made by a consumer ends it."""
+    reader = LogReader(tmp_path)
+    with LocalLog(tmp_path, segment_bytes=4 * FRAME, max_bytes=10 * FRAME) as log:
+        fill(log, 0, 9)  # room for one more frame
+        assert log.append(KEY, bytes(2 * FRAME), 0) is None
+        assert log.append(KEY, value(9), 1009) is None  # one frame: it alone would fit
+        assert (log.blocked, log.stats.blocked_episodes) == (
+            f"size bound of {10 * FRAME} bytes reached", 1
+        )
+        assert log.append(KEY, bytes(11 * FRAME), 0) is None  # can never fit: wedges nothing
+        log.flush()
+        reader.commit("agg", 4)  # segment 0 can go: room for the big one again
+        fill(log, 9, 10)
+        assert log.blocked is None and log.stats.rejected_records == 3
+    assert [r.offset for r in reader.read(4, 100)] == list(range(4, 10))
+
+
 def test_bound_reclaims_segments_consumers_are_done_with(tmp_path: Path) -> None:
     reader = LogReader(tmp_path)
     with LocalLog(tmp_path, segment_bytes=4 * FRAME, max_bytes=10 * FRAME) as log:

@@ -68,6 +68,7 @@ class CollectorStatus:
     log_blocked: str | None = None  # why the local log rejects events now (an episode)
     blocked_since: float = 0.0  # monotonic start of that episode
     dropped_at_block: int = 0  # `dropped` when it began
+    episodes: int = 0  # the local log's episodes seen so far
 
 
 def last_event_ms(log_dir: Path, next_offset: int) -> int | None:
@@ -138,32 +139,38 @@ class Collector:
         self.pod_names: PodNames = self._pod_name
 
     def _append(self, events: list[Event]) -> None:
+        dropped = self.status.dropped
         for event in events:
             if self.log.append(self._key, encode(event), event.ts) is None:
                 self.status.dropped += 1
             else:
                 self.status.appended += 1
         self.log.flush()
-        self._watch_log()
+        self._watch_log(dropped)
         if self.forwarder is not None:
             self.forwarder.wake()
 
-    def _watch_log(self) -> None:
+    def _watch_log(self, dropped_before: int) -> None:
         """Disk full, an I/O error and the log's size bound are one condition: logged once
         when an episode starts and once when it ends. Scanning goes on meanwhile; what is
         dropped is counted, and the first heartbeat after it restates every live key."""
         st = self.status
         blocked = self.log.blocked
-        if blocked is not None and st.log_blocked is None:
+        # An episode can begin and end within one batch (room made by a consumer meanwhile):
+        # the log's count of episodes tells, not only its state after the batch.
+        began = self.log.stats.blocked_episodes != st.episodes
+        st.episodes = self.log.stats.blocked_episodes
+        if began and st.log_blocked is None:
+            st.log_blocked = self.log.last_block
             st.blocked_since = time.monotonic()
-            st.dropped_at_block = st.dropped
+            st.dropped_at_block = dropped_before
             log.error(
                 "local log %s cannot take events (%s): dropping and counting them, "
                 "scanning goes on, writing resumes by itself",
                 self.settings.log_dir,
-                blocked,
+                st.log_blocked,
             )
-        elif blocked is None and st.log_blocked is not None:
+        if blocked is None and st.log_blocked is not None:
             log.warning(
                 "local log %s writes again after %.1f s: %d events dropped (%s)",
                 self.settings.log_dir,
@@ -272,7 +279,10 @@ class Collector:
                 scans += 1
                 if self.settings.max_scans is not None and scans >= self.settings.max_scans:
                     break
-                next_at += self.settings.interval_s
+                # After a stall (the process stopped, a scan longer than the interval) one
+                # scan runs at once and the interval goes on from there: the missed ones are
+                # not run back to back.
+                next_at = max(next_at + self.settings.interval_s, time.monotonic())
                 delay = max(0.0, next_at - time.monotonic())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
@@ -301,7 +311,7 @@ class Collector:
                 )
             log.info(
                 "collector stopped: %d events appended, %d dropped, %d left in the spool",
-                self.status.appended,
+                self.status.appended - self.log.stats.unwritten_records,  # (counted once)
                 self.status.dropped + self.log.stats.unwritten_records,
                 self.spool_depth(),
             )

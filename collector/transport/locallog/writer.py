@@ -106,6 +106,8 @@ class LocalLog:
         self._closed = False
         self._io_error: OSError | None = None  # the last failed write, until one succeeds
         self._blocked: str | None = None  # why appends are rejected, during an episode
+        self.last_block: str | None = None  # why the last episode began
+        self._need = 0  # frame bytes of the record the size bound rejected last, this episode
         self._last_retry = 0.0
         directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock()
@@ -212,9 +214,16 @@ class LocalLog:
             if now - self._last_retry < _RETRY_EVERY_S or not self._retry():
                 self._reject(n, _describe(self._io_error))
                 return None
-        if self._total_bytes + n > self._max_bytes and not self._make_room(n):
+        # While the size bound rejects, a record fits only once the one it rejected would:
+        # a smaller one slipping in would end the episode at once and put events in the log
+        # after the ones they follow were dropped (one that can never fit does not wedge it).
+        need = max(n, self._need) if n <= self._max_bytes else n
+        if self._total_bytes + need > self._max_bytes and not self._make_room(need):
+            if n <= self._max_bytes:
+                self._need = need
             self._reject(n, f"size bound of {self._max_bytes} bytes reached")
             return None
+        self._need = 0
         try:
             active_bytes = self._sizes[-1] + len(self._pending)
             if active_bytes > 0 and active_bytes + n > self._segment_bytes:
@@ -319,6 +328,7 @@ class LocalLog:
     def _block(self, reason: str) -> None:
         if self._blocked is None:
             self.stats.blocked_episodes += 1
+            self.last_block = reason
         self._blocked = reason
 
     def _failed(self, exc: OSError) -> None:
