@@ -868,6 +868,26 @@ def test_a_torn_slot_is_not_an_exit(root: Path, writers: list[CacheWriter]) -> N
     assert h.scan() == []
 
 
+def test_the_exit_of_a_process_that_never_had_a_host_pid_is_an_exit(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    """101 never got a host pid nor memory, and exits: its slot is all zero (pid, status and
+    untouched counters), below a `proc_num` whose last slot is live. That is an exit marker,
+    not a garbled count: 101 exits, and 102 after it goes on being read."""
+    w = make(writers, root, V12)
+    w.add_process(100, 5100)
+    w.add_memory(100, 0, "data", GiB)
+    w.add_process(101, 0)
+    w.add_process(102, 5102)
+    w.add_memory(102, 0, "data", 2 * GiB)
+    h = Harness(root)
+    h.scan()
+    w.exit(101)
+    assert h.scan() == [ev(ProcessExited, cid=0, pid=101, hostpid=0)]
+    w.add_memory(102, 0, "data", GiB)
+    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(102, 5102, 0, data=3 * GiB)])]
+
+
 @pytest.mark.parametrize("layout", [V12, V11], ids=["v1.2", "v1.1"])
 def test_a_torn_slot_holds_back_only_the_process_now_in_it(
     root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch, layout: Layout

@@ -354,15 +354,25 @@ def _scan_contiguous(
 def _within_contents(
     slots: list[tuple[int, bytes]], proc_num: int, anomalies: list[Anomaly]
 ) -> list[tuple[int, bytes]]:
-    """Slots up to the first empty one. HAMi-core fills a slot before it counts it and compacts
-    live slots to the front, so an all-zero slot below `proc_num` means the count is garbled:
-    what lies beyond is not the file's real contents (at most stale copies)."""
+    """The slots of the file's real contents. HAMi-core fills a slot before it counts it, so
+    an all-zero slot below `proc_num` is either the exit marker of a process that exited before
+    it had a host pid or any memory (pid and status 0, its counters untouched: all zero), or a
+    sign that the count is garbled. When the last counted slot holds something the count is
+    the writer's, and every empty slot below it is an exit marker; when it is empty too, the
+    count is taken for garbled and the slots end at the first empty one (what lies beyond is
+    not the file's real contents, at most stale copies)."""
     for n, (k, raw) in enumerate(slots):
-        if raw.startswith(_EMPTY_IDS) and raw.count(0) == len(raw):  # pid, hostpid 0: cheap
+        if _empty(raw):
+            if not _empty(slots[-1][1]):
+                return slots  # exit markers: read as slots whose process is not live
             detail = f"proc_num {proc_num} but slot {k} is empty"
             anomalies.append(Anomaly("proc_num_out_of_range", detail, slot=k, value=proc_num))
             return slots[:n]
     return slots
+
+
+def _empty(raw: bytes) -> bool:
+    return raw.startswith(_EMPTY_IDS) and raw.count(0) == len(raw)  # pid, hostpid 0: cheap
 
 
 # What detect() reads of the header lies below every layout's first slot, so a header memo
