@@ -305,10 +305,11 @@ def test_collector_rbac_is_read_only_and_matches_what_the_pod_watch_asks() -> No
         for group in rule["apiGroups"]
         for resource in rule["resources"]
     }
-    # get/list/watch on pods and namespaces; get on what owner resolution reads. Nothing else.
+    # list/watch on pods; get on namespaces and on what owner resolution reads. Nothing else
+    # (tests/test_podwatch.py checks this against the requests the client makes).
     assert rules == {
-        ("", "pods"): ["get", "list", "watch"],
-        ("", "namespaces"): ["get", "list", "watch"],
+        ("", "pods"): ["list", "watch"],
+        ("", "namespaces"): ["get"],
         ("apps", "replicasets"): ["get"],
         ("batch", "jobs"): ["get"],
     }

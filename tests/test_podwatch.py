@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube_apiserver import ApiServer, make_pod
+import yaml
+from kube_apiserver import ApiServer, flag, make_pod
 
 from collector.events import Identity, PodIdentity, decode
 from collector.layout.declarations import V12
@@ -33,6 +34,7 @@ from collector.node.podwatch import KubeConfigError, KubeSettings, PodWatch, ope
 from collector.simulate import GiB, SimDevice, new_cache_file
 from collector.transport.locallog import LogReader
 
+ROOT = Path(__file__).resolve().parent.parent
 NODE = "node-a"
 FAST = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2, "request_timeout_s": 2.0}
 
@@ -461,3 +463,47 @@ async def test_a_null_time_in_a_container_status_is_unknown_not_an_error(
         await until(lambda: later in watch.view)
         assert watch.stats.errors == 0
 
+
+
+def _rbac_verb(path: str, query: dict[str, str]) -> tuple[str, str, str]:
+    """(API group, resource, verb) of a request, as the API server's authorizer names it."""
+    parts = path.strip("/").split("/")
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    if rest[0] == "namespaces" and len(rest) > 2:
+        rest = rest[2:]  # a namespaced resource: /namespaces/NS/<resource>[/name]
+    if len(rest) == 2:
+        return group, rest[0], "get"
+    return group, rest[0], "watch" if flag(query.get("watch")) else "list"
+
+
+async def test_the_cluster_role_grants_exactly_what_the_watch_asks(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    """Least privilege, checked against the requests the real client makes: every (group,
+    resource, verb) the watch and owner resolution use is granted, and nothing else is."""
+    server.add_deployment_pod("ml", "trainer", ["main"])
+    server.add_cronjob_pod("ml", "nightly-eval", ["eval"])
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        await until(lambda: len(server.watch_requests()) > 0)
+    used = {_rbac_verb(r.path, r.query) for r in server.requests}
+    assert used == {
+        ("", "pods", "list"),
+        ("", "pods", "watch"),
+        ("", "namespaces", "get"),
+        ("apps", "replicasets", "get"),
+        ("batch", "jobs", "get"),
+    }
+    role = next(
+        doc
+        for doc in yaml.safe_load_all((ROOT / "deploy" / "collector-rbac.yaml").read_text())
+        if doc["kind"] == "ClusterRole"
+    )
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted == used
