@@ -65,6 +65,29 @@ def test_a_late_heartbeat_that_drops_a_key_counts_its_overbilling_capped() -> No
     assert agg.stats.late_ms_overbilled == 30_000  # 150 s .. 180 s (its cap is 190 s)
 
 
+@pytest.mark.parametrize("known", [False, True], ids=["new-key", "expired-key"])
+def test_a_late_sample_before_a_late_heartbeat_that_ended_its_key_is_not_taken(
+    known: bool,
+) -> None:
+    """pid 2 is sampled at 95 s and no longer stated by the heartbeat at 100 s: it ended
+    there. The heartbeat arrives late (after [60, 120) closed), the 95 s sample later still
+    (after [120, 180) closed); the sample must not bill pid 2 from the closed end on. With
+    `known`, pid 2 was sampled at 5 s and had expired (5 s + 90 s) before the heartbeat."""
+    c = Collector()
+    early = [c.sample(t, row(1, 100)) for t in range(0, 95_000, 10_000)]
+    if known:
+        early.append(c.sample(5_000, row(2, 500)))
+    late_sample = c.sample(95_000, row(1, 100), row(2, 500))
+    late_hb = c.hb(100_000, row(1, 100))
+    rest = [c.sample(t, row(1, 100)) for t in range(100_000, 400_000, 10_000)]
+    events = [c.appeared(0), *early, *rest[:4], late_hb, *rest[4:10], late_sample, *rest[10:]]
+    records, agg = run(events)
+    assert agg.stats.late_events == (3 if known else 2)
+    # [180, 240): pid 1 alone, 100 B for 60 s (the sample's pid 2 would add 500 B x 5 s)
+    assert one(records, 180_000).memory_byte_seconds == 100 * 60
+    assert one(records, 240_000).memory_byte_seconds == 100 * 60
+
+
 def test_max_gap_below_the_heartbeat_interval_warns_once_and_counts(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

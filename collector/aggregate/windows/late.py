@@ -86,6 +86,8 @@ def apply_late(ig: Integrator, tr: Track, e: Entry, batch: list[Entry]) -> None:
     if isinstance(p, UsageSample):
         _late_rows(ig, tr, p.rows, ts, e[2], off, closed, batch)
     elif isinstance(p, ContainerState):
+        if (ts, e[2]) > tr.stated:
+            tr.stated = (ts, e[2])  # later late samples before it are not taken (_late_rows)
         _late_identity(ig, tr, p.pod_uid, p.container, p.devices, ts, off)
         runs.restate(tr, p.running, e[2], off)
         _late_rows(ig, tr, p.rows, ts, e[2], off, closed, batch)
