@@ -265,6 +265,13 @@ class UnknownSchemaVersion(ValueError):
     pass
 
 
+def too_deep() -> msgspec.DecodeError:
+    """What a value nested about a thousand levels deep is: msgspec raises RecursionError for
+    it (a kilobyte of bytes anyone who can produce to the topic can send), and an undecodable
+    message must be counted like any other, not end the process that reads it."""
+    return msgspec.DecodeError("nested too deeply")
+
+
 def encode(event: Event) -> bytes:
     return _encoder.encode(event)
 
@@ -274,6 +281,8 @@ def decode(payload: bytes) -> Event:
     UnknownSchemaVersion for a version this code does not know."""
     try:
         event = _decoder.decode(payload)
+    except RecursionError:
+        raise too_deep() from None
     except msgspec.ValidationError:
         # A newer version may add kinds (tags) or change fields this code cannot validate:
         # still say which version it is rather than only that it does not fit.
@@ -290,7 +299,7 @@ def _peek_version(payload: bytes) -> int | None:
     """The `v` of a message that is a msgpack array [tag, v, ...], else None."""
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     if isinstance(raw, list) and len(raw) >= 2 and type(raw[1]) is int:
         return raw[1]

@@ -74,6 +74,21 @@ def test_bad_input_is_counted_never_guessed() -> None:
     assert rc == 1 and err.startswith("hami-usage decode: base64 framing: not base64")
 
 
+def test_a_value_nested_too_deeply_is_undecodable_not_a_crash() -> None:
+    """msgspec gives up a thousand levels deep (RecursionError): as an event, a billing record
+    in JSON and in msgpack, such a value is counted like any other undecodable one."""
+    good = encode(sample_events()[1])
+    deep = [
+        b"\x95\x02\x01\x00\x00" + b"\x91" * 1000 + b"\x00",  # an event-like array
+        b'{"x":' + b"[" * 1000 + b"]" * 1000 + b"}",  # a billing record in JSON
+        b"\x81\xa1x" + b"\x91" * 1000 + b"\x00",  # a billing record in msgpack
+    ]
+    rc, objects, err = run(framed([good, *deep, good]))
+    assert rc == 1 and len(objects) == 2
+    assert err.endswith("hami-usage decode: 2 decoded, 3 undecodable\n")
+    assert "Traceback" not in err
+
+
 def test_the_command_reads_stdin() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "collector", "decode"],

@@ -32,6 +32,7 @@ from collector.aggregate.records import (
 )
 from collector.aggregate.sinks import CsvSink, JsonlSink
 from collector.aggregate.windows import Aggregator, WindowSettings
+from collector.aggregate.windows.settings import MAX_TS
 from collector.events import (
     MAX_BYTES,
     DeviceLimit,
@@ -184,6 +185,39 @@ def test_hostile_event_values_reach_no_sink(
         assert exporter.flush() is True
     finally:
         exporter.shutdown()
+
+
+@pytest.mark.parametrize(
+    "wide", [False, True], ids=["default-windows", "31-day-windows-7-day-gap"]
+)
+def test_the_last_event_time_taken_is_written_by_every_sink_and_the_next_is_refused(
+    tmp_path: Path, wide: bool
+) -> None:
+    """Event times are refused from 9999-01-01 on: the windows of the last one taken, even the
+    widest with the longest cap, end before the year 10 000, which the CSV and JSONL sinks
+    write as ISO-8601 (an event in the year 11 476 used to be billed and crash both)."""
+    day = 86_400_000
+    settings_ = WindowSettings(window_ms=31 * day, max_gap_ms=7 * day) if wide else S
+    last = MAX_TS
+    for ts, taken in ((last, True), (last + 1, False)):
+        agg = Aggregator(settings_)
+        c = Collector()
+        for i, e in enumerate([c.appeared(ts), c.sample(ts, row(1, 1000))]):
+            agg.add("n1", e, offset=i, record_ts_ms=ts)
+        records = [r for r in agg.flush() if r.kind == "container"]
+        assert agg.stats.refused_values == (0 if taken else 2)
+        if not taken:
+            assert records == []
+            continue
+        assert records and max(r.window_end_ms for r in records) < MAX_TS + 1 + 365 * day
+        csv_path, jsonl_path = tmp_path / f"{wide}.csv", tmp_path / f"{wide}.jsonl"
+        with CsvSink(csv_path) as sink, JsonlSink(jsonl_path, resume_at=0) as jsonl:
+            sink.write(records)
+            jsonl.write(records)
+        rows = list(csv.DictReader(io.StringIO(csv_path.read_text())))
+        assert len(rows) == len(records)
+        assert {r["window_end"][:4] for r in rows} == {"9999"}
+        assert len(jsonl_path.read_text().splitlines()) == len(records)
 
 
 # --- exact decimals -----------------------------------------------------------------------

@@ -194,6 +194,31 @@ def test_a_tombstone_is_counted_as_undecodable() -> None:
         assert (stats.undecodable, stats.unknown_schema) == (2, 0)
 
 
+# A kilobyte nested a thousand levels deep, where msgspec gives up with RecursionError: as the
+# value of a usage sample's `cid` (the short way's decoder meets it) and as a field appended to a
+# ContainerGone (the long way's decoder skips unknown fields by walking them).
+DEEP = [
+    b"\x96\x02\x01\x00\x00\x00" + b"\x91" * 1000 + b"\x00",
+    b"\x97\x02\x01\x00\x00\x00\x05" + b"\x91" * 1000 + b"\x00",
+]
+
+
+def test_a_value_nested_too_deeply_is_counted_as_undecodable() -> None:
+    """One such message must not stop the service (it would stop on the same offset at every
+    restart): counted, and the rest of the stream gives its records."""
+    c = Collector()
+    msgs = [encode(c.appeared(T0, devices=[dev(0, limit=8 << 30)]))]
+    msgs += [encode(c.sample(T0 + s * 1000, row(1, 100 + s, 0, 7, 3))) for s in range(1, 9)]
+    stream = list(enumerate(msgs))
+    poisoned: list[tuple[int, Any]] = [*stream[:3], (100, DEEP[0]), *stream[3:], (101, DEEP[1])]
+    want, want_stats, _ = _records(_decoded, stream)
+    assert want
+    for feed in (_intake, _kafka):
+        got, got_stats, stats = _records(feed, poisoned)
+        assert (got, got_stats) == (want, want_stats)
+        assert (stats.undecodable, stats.unknown_schema) == (2, 0)
+
+
 def _two_rows(c: Collector, t: int, total: int) -> bytes:
     return encode(c.sample(t, row(1, total, 0, 7, 3), row(2, 2 * total, 1, 9, 4)))
 

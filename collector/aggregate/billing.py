@@ -12,6 +12,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from ..events import too_deep
 from .records import RECORD_VERSION, SINCE_VERSION, BillingRecord, to_json, to_msgpack
 
 SCHEMA_NAME: Final = "hami.billing.v1"
@@ -35,9 +36,12 @@ def billing_message(
 
 def decode_billing(value: bytes) -> BillingRecord:
     """A billing value in either format (JSON starts with `{`, a msgpack map never does)."""
-    if value[:1] == b"{":
-        return _json_decoder.decode(value)
-    return msgspec.msgpack.decode(value, type=BillingRecord)
+    try:
+        if value[:1] == b"{":
+            return _json_decoder.decode(value)
+        return msgspec.msgpack.decode(value, type=BillingRecord)
+    except RecursionError:
+        raise too_deep() from None
 
 
 def json_schema() -> dict[str, Any]:

@@ -21,7 +21,8 @@ from .windows import Aggregator, packed
 
 __all__ = ["InputStats", "add_kafka_records", "add_record"]
 
-_BAD: Final = (msgspec.DecodeError, msgspec.ValidationError)
+# RecursionError: `packed.checked` on a value nested too deeply (`events.decode` then says so)
+_BAD: Final = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 # A message is a msgpack array [tag, v, ...]; a sample's tag is a positive fixint (one byte).
 _SAMPLE: Final = bytes([packed.tag_of])
 
