@@ -177,23 +177,6 @@ def test_the_intake_gives_the_records_of_the_decoded_stream(
     assert _records(_kafka, stream) == want
 
 
-def test_a_tombstone_is_counted_as_undecodable() -> None:
-    """A null value (a tombstone some tool wrote to the usage topic) is no event: counted with
-    the undecodable ones, and the rest of the stream gives its records (never a crash, which
-    would stop the service on the same offset at every restart)."""
-    c = Collector()
-    msgs = [encode(c.appeared(T0, devices=[dev(0, limit=8 << 30)]))]
-    msgs += [encode(c.sample(T0 + s * 1000, row(1, 100 + s, 0, 7, 3))) for s in range(1, 9)]
-    stream = list(enumerate(msgs))
-    with_tombstones: list[tuple[int, Any]] = [*stream[:3], (100, None), *stream[3:], (101, None)]
-    want, want_stats, _ = _records(_decoded, stream)
-    assert want
-    for feed in (_intake, _kafka):
-        got, got_stats, stats = _records(feed, with_tombstones)
-        assert (got, got_stats) == (want, want_stats)
-        assert (stats.undecodable, stats.unknown_schema) == (2, 0)
-
-
 # A kilobyte nested a thousand levels deep, where msgspec gives up with RecursionError: as the
 # value of a usage sample's `cid` (the short way's decoder meets it) and as a field appended to a
 # ContainerGone (the long way's decoder skips unknown fields by walking them).
@@ -203,18 +186,21 @@ DEEP = [
 ]
 
 
-def test_a_value_nested_too_deeply_is_counted_as_undecodable() -> None:
-    """One such message must not stop the service (it would stop on the same offset at every
-    restart): counted, and the rest of the stream gives its records."""
+@pytest.mark.parametrize("bad", [[None, None], DEEP], ids=["tombstones", "nested-too-deeply"])
+def test_a_message_that_is_no_event_is_counted_as_undecodable(bad: list[bytes | None]) -> None:
+    """A null value (a tombstone some tool wrote to the usage topic), or a value nested too
+    deeply to decode, is no event: counted with the undecodable ones, and the rest of the
+    stream gives its records (never a crash, which would stop the service on the same offset
+    at every restart)."""
     c = Collector()
     msgs = [encode(c.appeared(T0, devices=[dev(0, limit=8 << 30)]))]
     msgs += [encode(c.sample(T0 + s * 1000, row(1, 100 + s, 0, 7, 3))) for s in range(1, 9)]
     stream = list(enumerate(msgs))
-    poisoned: list[tuple[int, Any]] = [*stream[:3], (100, DEEP[0]), *stream[3:], (101, DEEP[1])]
+    with_bad: list[tuple[int, Any]] = [*stream[:3], (100, bad[0]), *stream[3:], (101, bad[1])]
     want, want_stats, _ = _records(_decoded, stream)
     assert want
     for feed in (_intake, _kafka):
-        got, got_stats, stats = _records(feed, poisoned)
+        got, got_stats, stats = _records(feed, with_bad)
         assert (got, got_stats) == (want, want_stats)
         assert (stats.undecodable, stats.unknown_schema) == (2, 0)
 
