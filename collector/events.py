@@ -21,6 +21,9 @@ from typing import Any
 import msgspec
 
 SCHEMA_VERSION = 1
+# What msgspec's schemas are written in (`prefixItems`, `$defs`): said in every published schema,
+# since a validator that assumes an older draft silently ignores `prefixItems`.
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 # The range of every byte count and percentage an event carries. No GPU has 2**48 bytes
 # (256 TiB), and NVML's samples exceed 100 % only momentarily, never a hundredfold; a counter
@@ -309,6 +312,7 @@ def _peek_version(payload: bytes) -> int | None:
 def json_schema() -> dict[str, Any]:
     """The published JSON Schema of the event union (written to schemas/ by `hami-usage schema`)."""
     schema: dict[str, Any] = msgspec.json.schema(Event)
+    schema["$schema"] = JSON_SCHEMA_DIALECT
     schema["title"] = "hami.usage.v1 events"
     schema["description"] = (__doc__ or "").strip()
     schema["x-schema-version"] = SCHEMA_VERSION

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from collector.aggregate.records import BillingRecord, to_json
 from collector.events import (
     EVENT_TYPES,
     SCHEMA_VERSION,
@@ -193,3 +194,20 @@ def test_older_message_without_defaulted_trailing_fields_decodes_with_defaults()
     # before scan_ms, files, spool_depth, dropped, log_blocked, pods
     older = msgspec.msgpack.encode(raw[:-6])
     assert decode(older) == msgspec.structs.replace(hb, scan_ms=0.0, pods=[])
+
+
+def test_both_schemas_name_their_dialect_and_billing_integers_are_bounded() -> None:
+    """Without `$schema` a validator may assume an older draft, which ignores `prefixItems`
+    (every position of an event would pass). A record's integers lie in [0, 2^63 - 1]."""
+    names = ("events.schema.json", "billing.schema.json")
+    schemas = {n: json.loads((CHECKED_IN.parent / n).read_text()) for n in names}
+    for schema in schemas.values():
+        assert jsonschema.validators.validator_for(schema) is jsonschema.Draft202012Validator
+    billing = schemas["billing.schema.json"]
+    rec = BillingRecord(0, 60_000, "n1", "p", "c", "GPU-1", 1.5, 2.0, 0.0, 3.25, 0, 7, 60.0, 4, "a")
+    record = msgspec.json.decode(to_json(rec))
+    jsonschema.validate(record, billing)
+    for field, value in (("samples", -1), ("peak_memory_bytes", 1 << 63), ("window_end_ms", -5)):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**record, field: value}, billing)
+    jsonschema.validate({**record, "peak_memory_bytes": (1 << 63) - 1}, billing)

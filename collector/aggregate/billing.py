@@ -12,8 +12,8 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from ..events import too_deep
-from .records import RECORD_VERSION, SINCE_VERSION, BillingRecord, to_json, to_msgpack
+from ..events import JSON_SCHEMA_DIALECT, too_deep
+from .records import RECORD_MAX, RECORD_VERSION, SINCE_VERSION, BillingRecord, to_json, to_msgpack
 
 SCHEMA_NAME: Final = "hami.billing.v1"
 Format = Literal["json", "msgpack"]
@@ -65,6 +65,9 @@ def json_schema() -> dict[str, Any]:
         if prop.get("format") == "decimal":
             # Sent as a JSON number with three decimals: the exact integral n/1000 (records.py).
             record["properties"][name] = {"type": "number", "minimum": 0}
+        elif prop.get("type") == "integer" and name != "version":
+            record["properties"][name] = {"type": "integer", "minimum": 0, "maximum": RECORD_MAX}
+    schema["$schema"] = JSON_SCHEMA_DIALECT
     schema["title"] = SCHEMA_NAME
     schema["description"] = (
         "One billing record per Kafka message on the billing topic, keyed by record_id; "
