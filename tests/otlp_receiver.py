@@ -2,8 +2,9 @@
 
 Runs ``http.server`` on 127.0.0.1 (port 0) in a daemon thread, decodes each body (gzip/deflate
 ``Content-Encoding`` handled) as ``ExportMetricsServiceRequest`` and keeps it. Answers 200 with
-an empty ``ExportMetricsServiceResponse`` unless told to fail (``fail_status``) or to stall
-(``delay_s``).
+an empty ``ExportMetricsServiceResponse`` unless told to fail (``fail_status``; a 3xx with
+``Location: /moved``), to stall (``delay_s``) or to send its answer a byte at a time
+(``dribble_s`` between bytes of a ``dribble_bytes``-byte body).
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class OtlpReceiver:
         self._cond = threading.Condition(self._lock)
         self.fail_status: int | None = None
         self.delay_s = 0.0
+        self.dribble_s = 0.0
+        self.dribble_bytes = 40
         self.attempts = 0
         receiver = self
 
@@ -142,15 +145,25 @@ class OtlpReceiver:
                         )
                     )
                     receiver._cond.notify_all()
+                if receiver.dribble_s:
+                    self._answer(200, b"\n" * receiver.dribble_bytes, receiver.dribble_s)
+                    return
                 self._answer(200, ExportMetricsServiceResponse().SerializeToString())
 
-            def _answer(self, status: int, body: bytes) -> None:
+            def _answer(self, status: int, body: bytes, dribble_s: float = 0.0) -> None:
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/x-protobuf")
                     self.send_header("Content-Length", str(len(body)))
+                    if 300 <= status < 400:
+                        self.send_header("Location", "/moved")
                     self.end_headers()
-                    self.wfile.write(body)
+                    if not dribble_s:
+                        self.wfile.write(body)
+                    for i in range(len(body) if dribble_s else 0):
+                        self.wfile.write(body[i : i + 1])
+                        self.wfile.flush()
+                        time.sleep(dribble_s)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (timeout tests)
 

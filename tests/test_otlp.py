@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from otlp_receiver import Attrs, OtlpReceiver, Received
 
+from collector.aggregate import otlp
 from collector.aggregate.otlp import (
     COUNTER_ATTRIBUTES,
     COUNTERS,
@@ -459,3 +460,83 @@ def test_workload_attribute_follows_the_semantic_conventions(
     if attribute is not None:
         expected[attribute] = "w"
     assert workload == expected
+
+
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+def test_a_redirect_is_a_failed_export_not_a_delivery(
+    receiver: OtlpReceiver, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK counts any 3xx as delivered and follows none: nothing arrives. An ingress that
+    redirects http to https would have dropped every push silently."""
+    receiver.fail_status = status
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=2)
+    exporter.record_window([make_record(1, "trainer", 1.0)])
+    assert exporter.flush() is False
+    assert (exporter.failed_exports, exporter.successful_exports) == (1, 0)
+    assert receiver.attempts == 1 and receiver.received == []
+    assert "a redirect to '/moved', not followed" in caplog.text
+    receiver.fail_status = None
+    exporter.shutdown()
+
+
+def test_a_push_never_waits_for_a_slow_answer_and_never_doubles(
+    receiver: OtlpReceiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An answer sent a byte every 0.2 s (each read within the 1 s timeout, 20 bytes: 4 s)
+    holds a flush that long. `push` returns at once; a push while it runs is skipped, counted
+    and logged once; the next push after it carries everything recorded meanwhile."""
+    receiver.dribble_s, receiver.dribble_bytes = 0.2, 20
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=1)
+    exporter.record_window([make_record(1, "trainer", 1.0)])
+    assert exporter.push() is True
+    first = exporter._pushing
+    assert first is not None and first.is_alive()  # returned while the answer is coming
+    exporter.record_window([make_record(2, "trainer", 3.0)])
+    assert (exporter.push(), exporter.push()) == (False, False)
+    assert exporter.pushes_skipped == 2
+    assert caplog.text.count("is still running; later pushes wait for it") == 1
+    first.join(30)
+    assert not first.is_alive() and exporter.successful_exports == 1
+    receiver.dribble_s = 0.0
+    assert exporter.push() is True
+    exporter.shutdown()
+    got = receiver.wait_for(3)
+    assert len(got) == 3  # the two pushes that ran, and shutdown's
+    assert_counters(got[1], [make_record(1, "trainer", 1.0), make_record(2, "trainer", 3.0)])
+
+
+def test_shutdown_does_not_wait_for_a_push_that_does_not_end(
+    receiver: OtlpReceiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    receiver.dribble_s, receiver.dribble_bytes = 0.3, 200  # a minute, each read within 1 s
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=1)
+    exporter.record_window([make_record(1, "trainer", 1.0)])
+    exporter.push()
+    started = time.monotonic()
+    exporter.shutdown()
+    assert time.monotonic() - started < 10  # 2 x timeout_s, not the minute
+    assert "did not finish in 2s: not waiting for it" in caplog.text
+    assert exporter.push() is False  # shut down
+
+
+def test_a_push_is_split_into_requests_of_bounded_points(
+    receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request of every series was dropped whole by the SDK past its 64 MiB cap (and a
+    collector refuses bodies past 20 MiB by default): requests carry at most
+    MAX_POINTS_PER_REQUEST points (here 20), and all of them arrive."""
+    monkeypatch.setattr(otlp, "MAX_POINTS_PER_REQUEST", 20)
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    records = [make_record(1, f"c{i}", 1.0) for i in range(30)]
+    exporter.record_window(records)
+    assert exporter.flush() is True
+    exporter.shutdown()
+    got = receiver.wait_for(100, timeout_s=1)
+    sizes = [sum(len(m.points) for m in r.metrics().values()) for r in got]
+    assert max(sizes) <= 20 and len(sizes) > 1
+    per_metric: dict[str, int] = {}
+    for r in got:
+        for name, m in r.metrics().items():
+            per_metric[name] = per_metric.get(name, 0) + len(m.points)
+    # every counter's 30 series arrived (the second flush at shutdown sends them all again)
+    assert per_metric["hami.gpu.observed_time"] == 2 * 30

@@ -2,9 +2,10 @@
 
 The aggregator calls :meth:`OtlpExporter.record_window` with every batch of closed-window
 :class:`BillingRecord` objects, :meth:`OtlpExporter.set_gauges` with the latest per-container
-values, and then :meth:`OtlpExporter.flush`, which collects and sends one OTLP
-``ExportMetricsServiceRequest`` (http/protobuf, ``POST <endpoint>/v1/metrics``) synchronously.
-There is no background export thread: nothing is sent unless ``flush`` is called.
+values, and then :meth:`OtlpExporter.push`, which runs :meth:`OtlpExporter.flush` on a thread of
+its own: it collects and sends OTLP ``ExportMetricsServiceRequest`` s (http/protobuf, ``POST
+<endpoint>/v1/metrics``, at most `MAX_POINTS_PER_REQUEST` points each). Nothing is sent unless
+``push`` or ``flush`` is called, and at most one push runs at a time.
 
 Metrics
 =======
@@ -63,6 +64,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit, urlunsplit
 
+import requests
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, set_value
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -257,6 +259,31 @@ _COMPRESSION: Final = {
 
 _OVERFLOW_ATTRIBUTE: Final = "otel.metric.overflow"
 
+# Points per request, about 240 bytes each with these attributes: about 1.2 MB a request, far
+# under the OpenTelemetry Collector's default 20 MiB body limit and the SDK's 64 MiB cap (one
+# request of every series was dropped whole, and every later push with it, past ~21 700
+# container series).
+MAX_POINTS_PER_REQUEST: Final = 5000
+
+
+class _RedirectRefused(requests.RequestException):
+    """An OTLP endpoint answered with a redirect."""
+
+
+class _NoRedirects(requests.Session):
+    """The SDK counts any 3xx answer as delivered, though it follows none (nothing arrived): a
+    redirect is refused here, so the push fails, is logged with where it pointed, and counts."""
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        response = super().request(*args, **kwargs)
+        if 300 <= response.status_code < 400:
+            response.close()
+            raise _RedirectRefused(
+                f"{response.status_code} {response.reason}: a redirect to "
+                f"{response.headers.get('location')!r}, not followed (set the endpoint to it)"
+            )
+        return response
+
 
 def _version() -> str:
     try:
@@ -327,14 +354,16 @@ def _has_overflow(metrics_data: MetricsData) -> bool:
 class OtlpExporter:
     """Exports billing-window counters and current gauges over OTLP/HTTP (protobuf).
 
-    Thread-safe. ``flush`` blocks the calling thread for at most about ``timeout_s`` (the
-    exporter retries connection errors and 429/502/503/504 with back-off inside that budget);
-    call it from a worker thread (``asyncio.to_thread``) in async code.
+    Thread-safe. ``flush`` blocks the calling thread for about ``timeout_s`` per request at
+    most while the collector answers at a normal pace (the exporter retries connection errors
+    and 429/502/503/504 with back-off inside that budget); ``push`` runs it on a thread of its
+    own, which is what async code calls.
 
     :param endpoint: the collector's OTLP/HTTP base URL (``http://collector:4318``, to which
         ``/v1/metrics`` is appended) or full metrics URL (any URL with a non-root path).
     :param service_instance: ``service.instance.id``; default: the host name (the pod name).
-    :param timeout_s: upper bound of one flush (connect + send + retries).
+    :param timeout_s: bound of one request (connect + send + retries; `requests` bounds each
+        read of the answer by it, not the whole answer).
     :param headers: extra HTTP headers (e.g. authorization).
     :param compression: ``none`` (default), ``gzip`` or ``deflate`` request bodies.
     :param max_series: most attribute sets per metric kept over the exporter's lifetime (the
@@ -372,7 +401,9 @@ class OtlpExporter:
             headers=dict(headers or {}),
             timeout=self.timeout_s,
             compression=_COMPRESSION[compression],
+            session=_NoRedirects(),
             preferred_temporality=_CUMULATIVE,
+            max_export_batch_size=MAX_POINTS_PER_REQUEST,
         )
         self._reader = _OnDemandReader(self._exporter, max_series)
         self._provider = MeterProvider(
@@ -403,6 +434,9 @@ class OtlpExporter:
         self._dedupe_capacity = max(0, dedupe_capacity)
         self._closed = False
         self._overflow_logged = False
+        self._pushing: threading.Thread | None = None
+        self.pushes_skipped = 0  # pushes not started because the one before was still running
+        self._stall_logged = False
 
     @property
     def overflowed(self) -> bool:
@@ -505,16 +539,59 @@ class OtlpExporter:
             )
         return ok
 
+    def push(self) -> bool:
+        """Start a flush on a daemon thread of its own and return at once: the caller (the
+        aggregator's event loop) never waits for the collector. `requests` bounds each read of
+        an answer, not the answer, so a collector or proxy that answers a byte at a time holds
+        a flush as long as it likes: while one runs, no second one starts (the next carries the
+        totals: the counters are cumulative); skipped pushes are counted and logged once per
+        stall. False when skipped or shut down."""
+        if self._closed:
+            return False
+        running = self._pushing
+        if running is not None and running.is_alive():
+            self.pushes_skipped += 1
+            if not self._stall_logged:
+                self._stall_logged = True
+                _log.warning(
+                    "an OTLP push to %s is still running; later pushes wait for it (%d skipped)",
+                    self.endpoint,
+                    self.pushes_skipped,
+                )
+            return False
+        self._stall_logged = False
+        self._pushing = threading.Thread(target=self.flush, name="otlp-push", daemon=True)
+        self._pushing.start()
+        return True
+
     def shutdown(self) -> None:
-        """Flush once more, then release the HTTP connection. Idempotent; never raises."""
+        """Push once more and wait for it at most about `timeout_s`, then release the HTTP
+        connection. Idempotent; never raises; never waits for a push that does not end."""
         if self._closed:
             return
-        self.flush()
+        self._await_push()
+        self.push()
+        if not self._await_push():
+            _log.warning(
+                "the last OTLP push to %s did not finish in %.0fs: not waiting for it",
+                self.endpoint,
+                2 * self.timeout_s,
+            )
+            self._closed = True
+            return
         self._closed = True
         try:
             self._provider.shutdown(timeout_millis=self.timeout_s * 1000)
         except Exception:
             _log.exception("OTLP meter provider shutdown failed")
+
+    def _await_push(self) -> bool:
+        """Wait for the running push (if any) at most 2 x `timeout_s`; True when none runs."""
+        running = self._pushing
+        if running is None:
+            return True
+        running.join(2 * self.timeout_s)
+        return not running.is_alive()
 
     def __enter__(self) -> OtlpExporter:
         return self

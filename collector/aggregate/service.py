@@ -198,13 +198,13 @@ class Outputs:
 
     def export(self, records: list[BillingRecord], aggregators: Iterable[Aggregator]) -> None:
         """OTLP is best effort (metrics, not the record of truth); failures are counted there.
-        Blocking HTTP with a timeout: callers run it in a worker thread."""
+        The push runs on a thread of its own: nothing here waits for the collector."""
         if self.otlp is None:
             return
         if records:
             self.otlp.record_window(records)
         self.otlp.set_gauges([g for agg in aggregators for g in agg.gauges()])
-        self.otlp.flush()
+        self.otlp.push()
 
     def checkpoint(self, emitted_until_ms: int) -> Checkpoint:
         mine = [self.csv.tell() if self.csv else 0, self.jsonl.tell() if self.jsonl else 0]
@@ -379,7 +379,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     needed,
                     msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode(),
                 )
-                await asyncio.to_thread(outputs.export, records, [agg])
+                outputs.export(records, [agg])
                 last_commit = time.monotonic()
             if done:
                 break
@@ -557,7 +557,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             due = records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S
             if due and aggs:  # a replica with nothing assigned has nothing to commit
                 await publish(outputs, records)
-                await asyncio.to_thread(outputs.export, records, list(aggs.values()))
+                outputs.export(records, list(aggs.values()))
                 last_commit = time.monotonic()
             if done:
                 break
