@@ -4,15 +4,20 @@ cost reconciliation as a property, and bad flags."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
+import re
 import resource
 import shutil
 import subprocess
+import time
 from dataclasses import replace
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import pyarrow as pa
@@ -24,13 +29,29 @@ from streams import HAMI_USAGE, T0_MS, env, hami, msg, write_local_log
 from test_fair_share import run, schedules
 
 from collector.aggregate.columns import to_table
-from collector.aggregate.records import CSV_FIELDS, SINCE_VERSION
+from collector.aggregate.records import (
+    CSV_FIELDS,
+    SINCE_VERSION,
+    BillingRecord,
+    csv_header,
+    csv_row,
+    jsonl_line,
+    make_record_id,
+    seconds,
+    to_json,
+    to_msgpack,
+)
 from collector.events import Event, Identity, PodIdentity
 from collector.node.scan import Scanner
+from collector.report import html as html_report
 from collector.report.bill import Bill, Line, make_bill, money, to_csv
+from collector.report.command import ReportArgs, make_report
+from collector.report.html import render
+from collector.report.load import LoadError, iso_ms
 from collector.report.prices import PriceError, Prices
 from collector.report.summary import HOUR_MS, Summary
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice
+from collector.transport import consumer
 
 HOUR_S = 3600
 BUSY_S = 1200
@@ -593,3 +614,218 @@ def test_report_of_a_missing_file_is_one_line(tmp_path: Path) -> None:
     proc = hami("report", "--from", "2026-01-01", "--to", "2026-01-02", "--csv", tmp_path / "no")
     assert proc.returncode == 1
     assert proc.stderr == f"hami-usage report: {tmp_path / 'no'}: no such file\n"
+
+
+# --- what tenants and damaged files can put into a report ------------------------------------
+
+T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z, inside SPAN
+
+
+def _window(uuid: str, model: str = "NVIDIA H100", alloc_ms: int = 60_000) -> list[BillingRecord]:
+    """One GPU's minute on node n1: a container allocated `alloc_ms`, the GPU row, the idle row."""
+
+    def rec(kind: str, pod_uid: str, alloc: int, observed: int) -> BillingRecord:
+        zero = seconds(0)
+        return BillingRecord(
+            window_start_ms=T0, window_end_ms=T0 + 60_000, node="n1", pod_uid=pod_uid,
+            container="c" if pod_uid else "", device_uuid=uuid, memory_byte_seconds=zero,
+            memory_limit_byte_seconds=zero, nvml_memory_byte_seconds=zero,
+            sm_percent_seconds=zero, sm_limit_percent_seconds=zero, peak_memory_bytes=0,
+            observed_seconds=seconds(observed), samples=1,
+            record_id=make_record_id(T0, "n1", pod_uid, "c", uuid, 0, kind),
+            namespace="ns" if pod_uid else "", kind=kind, gpu_model=model,
+            allocated_gpu_seconds=seconds(alloc), used_gpu_seconds=seconds(alloc // 2),
+        )  # fmt: skip
+
+    return [
+        rec("container", "u1", alloc_ms, 0),
+        rec("gpu", "", alloc_ms, 60_000),
+        rec("idle", "", 60_000 - alloc_ms, 0),
+    ]
+
+
+def _page(records: list[BillingRecord], prices: str = "") -> str:
+    summary = Summary(["namespace"], HOUR_MS, [])
+    summary.add(to_table(records))
+    return render(make_bill(summary, Prices.parse(prices)), summary, "t")
+
+
+def test_html_labels_with_dollar_signs_are_drawn_as_written() -> None:
+    """A device UUID is GPU- and printable ASCII (layout/reader.py), written by the tenant:
+    `$...$` in it was parsed as TeX, and its error lost the whole page."""
+    page = _page(_window("GPU-$\\x$abc"))
+    assert page.count(">n1 GPU-$\\x$abc</text>") == 1
+
+
+def test_the_idle_chart_draws_each_gpu_under_its_own_label(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MIG instances of one GPU share their first 12 characters and more: each is a bar of its
+    own, labelled with its whole UUID (they were one bar)."""
+    figs: list[Any] = []
+    monkeypatch.setattr(html_report, "_svg", lambda fig: figs.append(fig) or "")
+    parent = "MIG-GPU-e91edf3b-b297-37c1-a2a7-7601c3238fa2"
+    records = [
+        *_window(f"{parent}/1/0", alloc_ms=60_000),  # 0 % idle
+        *_window(f"{parent}/2/0", alloc_ms=6_000),  # 90 % idle
+        *_window(f"{parent}/3/0", alloc_ms=0),  # 100 % idle
+        *_window("GPU-1", model="", alloc_ms=30_000),  # the same GPU before its inventory
+        *_window("GPU-1", alloc_ms=45_000),
+    ]
+    _page(records)
+    ax = figs[-1].axes[0]
+    assert ax.get_title() == "Idle share per GPU (5 GPUs)"
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        f"n1 {parent}/1/0",
+        "n1 GPU-1 (NVIDIA H100)",
+        "n1 GPU-1 (no model)",
+        f"n1 {parent}/2/0",
+        f"n1 {parent}/3/0",
+    ]
+    assert [round(p.get_width(), 9) for p in ax.patches] == [0, 25, 50, 90, 100]
+    assert [p.get_y() + p.get_height() / 2 for p in ax.patches] == [0, 1, 2, 3, 4]
+
+
+def test_the_reconciliation_shows_each_price_as_prices_toml_states_it() -> None:
+    records = _window("GPU-a", "A") + _window("GPU-b", "B") + _window("GPU-c", "C")
+    records += _window("GPU-d", "D")
+    page = _page(records, "default = 1.20\n[models]\nA = 1.255\nB = 0.125\nC = 0.004\n")
+    table = page[page.index('<table class="reconciliation">') :]
+    rows = re.findall(r"<tr><td>(.*?)</td></tr>", table[: table.index("</table>")])
+    # model, observed, allocated, idle, balanced, price, observed cost
+    assert [r.split("</td><td>")[::5] for r in rows] == [
+        ["A", "1.255"],
+        ["B", "0.125"],
+        ["C", "0.004"],
+        ["D", "1.20"],
+    ]
+    assert [r.split("</td><td>")[6] for r in rows] == ["0.02", "0.00", "0.00", "0.02"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("default = 1e999999999", "default"),  # the bill's Fractions of it never ended
+        ("[models]\nA = 1e31", "models.'A'"),
+        ("[models]\nA = 1e-31", "models.'A'"),
+        ("[namespaces]\nresearch = 2e40", "namespaces.research"),
+    ],
+)
+def test_a_price_out_of_range_is_refused(text: str, message: str) -> None:
+    with pytest.raises(PriceError) as caught:
+        Prices.parse(text)
+    assert str(caught.value) == (
+        f"prices: {message}: out of range: the exponent must lie within ±30 (1e-30 up to "
+        "below 1e31)"
+    )
+
+
+def test_prices_at_the_ends_of_the_range_are_taken() -> None:
+    p = Prices.parse("default = 9.99e30\n[models]\nA = 1e-30\n")
+    assert (p.default, p.price("A")) == (Decimal("9.99e30"), Decimal("1e-30"))
+
+
+def test_a_huge_price_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "in.csv"
+    path.write_text(_csv_text(_window("GPU-1")))
+    (tmp_path / "prices.toml").write_text("default = 1e999999999\n")
+    proc = hami("report", *SPAN, "--csv", path, "--prices", tmp_path / "prices.toml", timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2,
+        "",
+        f"hami-usage report: {tmp_path / 'prices.toml'}: default: out of range: the exponent "
+        "must lie within ±30 (1e-30 up to below 1e31)\n",
+    )
+
+
+def _csv_text(records: list[BillingRecord]) -> str:
+    buf = io.StringIO()
+    out = csv.writer(buf, lineterminator="\n")
+    out.writerow(csv_header())
+    out.writerows(csv_row(r) for r in records)
+    return buf.getvalue()
+
+
+OUT_OF_RANGE = f"a number outside [0, {(1 << 63) - 1}] (seconds in milli-units)"
+NOT_FINITE = "allocated_gpu_seconds is not a finite number"
+
+
+@pytest.mark.parametrize(
+    "cell, message",
+    [
+        ("nan", NOT_FINITE),
+        ("inf", NOT_FINITE),
+        ("-Infinity", NOT_FINITE),
+        ("1e400", OUT_OF_RANGE),  # a traceback from Arrow's cast to integer milliseconds
+        ("1e999999999", OUT_OF_RANGE),
+        ("-60.000", OUT_OF_RANGE),  # a negative bill, exit 0
+    ],
+)
+def test_a_csv_number_no_record_can_hold_is_one_line_and_exit_1(
+    tmp_path: Path, cell: str, message: str
+) -> None:
+    rows = [csv_row(r) for r in _window("GPU-1")]
+    rows[1][list(CSV_FIELDS).index("allocated_gpu_seconds")] = cell
+    path = tmp_path / "in.csv"
+    with path.open("w", newline="") as f:
+        csv.writer(f, lineterminator="\n").writerows([csv_header(), *rows])
+    proc = hami("report", *SPAN, "--csv", path)
+    expected = f"hami-usage report: {path}:3: not a billing record: {message}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("NaN", NOT_FINITE), ("Infinity", NOT_FINITE), (-1.0, OUT_OF_RANGE), (1e300, OUT_OF_RANGE)],
+)
+def test_a_jsonl_number_no_record_can_hold_is_one_line_and_exit_1(
+    tmp_path: Path, value: object, message: str
+) -> None:
+    lines = [msgspec.json.decode(jsonl_line(r)) for r in _window("GPU-1")]
+    lines[0]["allocated_gpu_seconds"] = value
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(x) + b"\n" for x in lines))
+    proc = hami("report", *SPAN, "--jsonl", path)
+    expected = f"hami-usage report: {path}:1: not a billing record: {message}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+
+
+def test_a_billing_message_no_record_can_hold_is_refused_with_its_offset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The billing topic's values decode as the files' do: NaN and negatives are refused."""
+    good, bad = _window("GPU-1")[:2]
+    bad = msgspec.structs.replace(bad, used_gpu_seconds=Decimal("-1.000"))
+
+    class Reading:
+        async def batches(self) -> Any:
+            yield [SimpleNamespace(value=to_json(good), partition=0, offset=7)]
+            yield [SimpleNamespace(value=to_msgpack(bad), partition=2, offset=8)]
+
+    @contextlib.asynccontextmanager
+    async def read_range(*_: object) -> Any:
+        yield Reading()
+
+    monkeypatch.setattr(consumer, "read_range", read_range)
+    args = ReportArgs(T0, T0 + HOUR_MS, ["namespace"], Prices(), [], [], kafka=object())  # type: ignore[arg-type]
+    with pytest.raises(LoadError) as caught:
+        make_report(args)
+    assert str(caught.value) == (
+        f"hami.billing.v1 partition 2 offset 8: not a billing record: {OUT_OF_RANGE}"
+    )
+
+
+def test_a_csv_time_without_an_offset_is_utc_whatever_the_local_zone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        assert time.localtime(0).tm_hour == 9  # the zone took effect
+        assert iso_ms("2026-01-01T00:00:00") == T0
+        assert iso_ms("2026-01-01T00:00:00.250") == T0 + 250
+        assert iso_ms("2026-01-01T09:00:00+09:00") == T0
+        assert iso_ms("2026-01-01T00:00:00Z") == T0
+    finally:
+        monkeypatch.undo()
+        time.tzset()

@@ -66,7 +66,7 @@ class ModelRow:
     """One GPU model's reconciliation: observed = allocated + idle, and its cost."""
 
     model: str
-    price: Fraction
+    price: Decimal  # per GPU-hour, as prices.toml states it
     observed_ms: int
     allocated_ms: int
     idle_ms: int
@@ -77,7 +77,7 @@ class ModelRow:
 
     @property
     def observed_cost(self) -> Fraction:
-        return self.observed_ms * self.price / HOUR_MS
+        return self.observed_ms * Fraction(self.price) / HOUR_MS
 
 
 @dataclass
@@ -132,10 +132,10 @@ def make_bill(summary: Summary, prices: Prices) -> Bill:
     idle = []
     models = []
     for model, (observed, allocated, idle_ms, _) in sorted(summary.models.items()):
-        price = Fraction(prices.price(model))
-        cost = idle_ms * price / HOUR_MS
+        listed = prices.price(model)
+        cost = idle_ms * Fraction(listed) / HOUR_MS
         idle.append(Line("idle", (model,), idle_ms, 0, 0.0, cost, cost))
-        models.append(ModelRow(model, price, observed, allocated, idle_ms))
+        models.append(ModelRow(model, listed, observed, allocated, idle_ms))
     ordered = sorted(groups.values(), key=lambda x: (-x.cost, x.key))
     return Bill(summary.by, prices.currency, ordered, idle, models)
 

@@ -13,7 +13,7 @@ import msgspec
 from ..aggregate.billing import decode_billing
 from ..aggregate.records import BillingRecord
 from .bill import Bill, hours, make_bill, money
-from .load import LoadError, from_csv, from_jsonl, from_parquet, from_records
+from .load import LoadError, checked, from_csv, from_jsonl, from_parquet, from_records
 from .prices import Prices
 from .summary import Summary, columns_for
 
@@ -58,8 +58,8 @@ async def _from_kafka(source: ConsumerSettings, topic: str, from_ms: int, to_ms:
                 if m.value is None:
                     continue
                 try:
-                    record = decode_billing(m.value)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    record = checked(decode_billing(m.value))
+                except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
                     where = f"{topic} partition {m.partition} offset {m.offset}"
                     raise LoadError(f"{where}: not a billing record: {e}") from None
                 records[record.record_id] = record

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 import io
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +39,9 @@ def _pyplot() -> Any:
 
     plt.rcParams["svg.fonttype"] = "none"  # text stays text: small and searchable
     plt.rcParams["svg.hashsalt"] = "hami-usage"  # the same ids every time
+    # Labels carry names and device UUIDs from the records, which tenants can write: `$...$`
+    # in one is text to show, never TeX to parse (a parse error would lose the whole page).
+    plt.rcParams["text.parse_math"] = False
     return plt
 
 
@@ -131,17 +134,23 @@ def _reserved_idle(bill: Bill) -> str:
 
 def _idle_share(summary: Summary) -> str:
     plt = _pyplot()
-    shares = sorted(
-        (
-            (f"{node} {uuid[:12]}", idle / obs)
-            for (node, uuid, _), (obs, idle) in summary.gpus.items()
-            if obs
-        ),
-        key=lambda x: -x[1],
-    )
+    gpus = [(k, idle / obs) for k, (obs, idle) in summary.gpus.items() if obs]
+    # The whole UUID: MIG instances of one GPU (`MIG-GPU-<parent>/gi/ci`) share any prefix. The
+    # same node and UUID under two model names (an inventory that came late) adds the model.
+    seen = Counter((node, uuid) for (node, uuid, _), _ in gpus)
+
+    def label(node: str, uuid: str, model: str) -> str:
+        return (
+            f"{node} {uuid} ({model or 'no model'})" if seen[node, uuid] > 1 else f"{node} {uuid}"
+        )
+
+    shares = sorted(((label(*k), share) for k, share in gpus), key=lambda x: -x[1])
     if len(shares) <= 40:
         fig, ax = plt.subplots(figsize=(9, 0.3 * len(shares) + 1.2))
-        ax.barh([s[0] for s in shares][::-1], [100 * s[1] for s in shares][::-1], color="#999")
+        # One bar per position, not per label text: two GPUs are never drawn as one bar.
+        ys = list(range(len(shares)))
+        ax.barh(ys, [100 * s[1] for s in shares][::-1], color="#999")
+        ax.set_yticks(ys, [s[0] for s in shares][::-1])
         ax.set_xlabel("idle, % of observed time")
         ax.set_xlim(0, 100)
         ax.tick_params(axis="y", labelsize=7)
@@ -191,9 +200,11 @@ def render(bill: Bill, summary: Summary, title: str) -> str:
     ]
     groups.append(["rounding residue", "", "", "", "", bill.residue])
     groups.append(["total", "", "", "", "", money(bill.total)])
+    # The price as prices.toml states it: a sub-cent list price rounded to the cent would
+    # misstate what every cost is computed from.
     recon = [
         [_name(m.model), hours(m.observed_ms), hours(m.allocated_ms), hours(m.idle_ms),
-         "yes" if m.balanced else "NO", money(m.price), money(m.observed_cost)]
+         "yes" if m.balanced else "NO", f"{m.price:f}", money(m.observed_cost)]
         for m in bill.models
     ]  # fmt: skip
     head = [

@@ -10,18 +10,19 @@ import csv
 import datetime as dt
 import typing
 from collections.abc import Iterable, Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ..aggregate.columns import to_table
-from ..aggregate.records import CSV_FIELDS, SINCE_VERSION, BillingRecord
+from ..aggregate.records import CSV_FIELDS, RECORD_MAX, SINCE_VERSION, BillingRecord, in_bounds
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["LoadError", "from_csv", "from_jsonl", "from_parquet", "from_records"]
+__all__ = ["LoadError", "checked", "from_csv", "from_jsonl", "from_parquet", "from_records"]
 
 
 class LoadError(Exception):
@@ -29,8 +30,29 @@ class LoadError(Exception):
 
 
 def iso_ms(text: str) -> int:
+    """An ISO-8601 time in epoch ms; one without a UTC offset is UTC (as `--from`/`--to`),
+    never the local time of the machine that runs the report."""
     when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
     return round(when.timestamp() * 1000)
+
+
+def checked(record: BillingRecord) -> BillingRecord:
+    """`record` if every number of it is one the aggregator can write, else ValueError: the
+    codecs take NaN, infinities and negatives as decimals, and such a record would fail the
+    report's arithmetic or bill a negative amount."""
+    for name in BillingRecord.__struct_fields__:
+        value = getattr(record, name)
+        if isinstance(value, Decimal) and not value.is_finite():
+            raise ValueError(f"{name} is not a finite number")
+    try:
+        ok = in_bounds(record)
+    except ArithmeticError:  # an exponent beyond what Decimal's context computes with
+        ok = False
+    if not ok:
+        raise ValueError(f"a number outside [0, {RECORD_MAX}] (seconds in milli-units)")
+    return record
 
 
 _HINTS = typing.get_type_hints(BillingRecord)
@@ -67,7 +89,7 @@ def _csv_record(row: dict[str | None, Any]) -> BillingRecord:
             obj[name] = text == "true"
         elif name in CSV_FIELDS:
             obj[name] = text
-    return msgspec.convert(obj, BillingRecord)
+    return checked(msgspec.convert(obj, BillingRecord))
 
 
 def _read_csv(path: Path) -> Iterator[BillingRecord]:
@@ -94,9 +116,10 @@ def _read_jsonl(path: Path) -> Iterator[BillingRecord]:
             for i, line in enumerate(f, start=1):
                 if line.strip():
                     try:
-                        yield decoder.decode(line)
-                    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                        record = checked(decoder.decode(line))
+                    except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
                         raise LoadError(f"{path}:{i}: not a billing record: {e}") from None
+                    yield record
     except OSError as e:
         raise LoadError(f"{path}: {e.strerror}") from None
 

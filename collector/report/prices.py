@@ -25,7 +25,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PriceError", "Prices"]
+__all__ = ["MAX_EXPONENT", "PriceError", "Prices"]
+
+MAX_EXPONENT = 30  # of a price or adjustment (`Decimal.adjusted`): 1e-30 up to below 1e31
 
 
 class PriceError(Exception):
@@ -41,6 +43,13 @@ def _decimal(where: str, value: Any) -> Decimal:
         raise PriceError(f"{where}: not a number: {value!r}") from None
     if not d.is_finite():
         raise PriceError(f"{where}: not a finite number: {value!r}")
+    # Money is exact: a price of 1e999999999 would be a Fraction of a billion digits, and the
+    # report would never end. Real prices and adjustments are far inside this range.
+    if abs(d.adjusted()) > MAX_EXPONENT:
+        raise PriceError(
+            f"{where}: out of range: the exponent must lie within ±{MAX_EXPONENT} "
+            f"(1e-{MAX_EXPONENT} up to below 1e{MAX_EXPONENT + 1})"
+        )
     return d
 
 
