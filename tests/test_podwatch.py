@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kube_apiserver import ApiServer, flag, make_pod
+from kube_apiserver import ApiServer, flag, make_pod, owner_ref
 
 from collector.events import Identity, PodIdentity, decode
 from collector.layout.declarations import V12
@@ -270,6 +270,29 @@ async def test_403_on_pods_is_reported_and_on_replicasets_falls_back_to_the_name
         # No get on ReplicaSets: the Deployment by the pod-template-hash naming convention.
         assert (identity.workload_kind, identity.workload) == ("Deployment", "trainer")
         assert watch.stats.owner_errors == 1
+
+
+def workload(watch: PodWatch, uid: str) -> tuple[str, str]:
+    identity = watch.view[uid].identity
+    return (identity.workload_kind, identity.workload)
+
+
+@pytest.mark.parametrize(
+    "owners",
+    [[("ConfigMap", "shared-config")], [("PersistentVolumeClaim", "scratch"), ("Secret", "creds")]],
+    ids=["configmap", "pvc-and-secret"],
+)
+async def test_owners_without_a_controller_leave_the_pod_its_own_workload(
+    server: ApiServer, tmp_path: Path, owners: list[tuple[str, str]]
+) -> None:
+    pod = make_pod("ml", "notebook-0", NODE, ["main"])
+    pod["metadata"]["ownerReferences"] = [
+        {**owner_ref(kind, name, f"uid-{name}", "v1"), "controller": False} for kind, name in owners
+    ]
+    uid = server.put_pod(pod)["metadata"]["uid"]
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        assert workload(watch, uid) == ("Pod", "notebook-0")
 
 
 async def test_429_waits_for_retry_after(server: ApiServer, tmp_path: Path) -> None:

@@ -32,12 +32,13 @@ class ObjectMeta(msgspec.Struct, frozen=True, rename="camel"):
     deletion_timestamp: str | None = None
 
     def controller(self) -> OwnerReference | None:
-        """The managing owner (`controller: true`), else the first owner, else None."""
-        refs = self.owner_references
-        for ref in refs:
+        """The managing owner (`controller: true`), else None. Other owner references (a
+        ConfigMap, a PVC set as owner for garbage collection) do not manage the pod: such a pod
+        is its own workload, not named after whichever of them happens to be listed first."""
+        for ref in self.owner_references:
             if ref.controller:
                 return ref
-        return refs[0] if refs else None
+        return None
 
 
 class ContainerSpec(msgspec.Struct, frozen=True):
