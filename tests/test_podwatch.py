@@ -277,6 +277,73 @@ def workload(watch: PodWatch, uid: str) -> tuple[str, str]:
     return (identity.workload_kind, identity.workload)
 
 
+def gets(server: ApiServer, path: str) -> list[int]:
+    return [r.status for r in server.requests if r.path == path]
+
+
+async def test_a_failed_owner_get_is_retried_without_an_event_of_the_pod(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    """A long-running pod gets no event: its identity is resolved again by the refresh once
+    the fallback expires, with one get for the two pods of the Job, and published as a new view
+    (what the identity stage sends `PodIdentity` from)."""
+    server.forbidden = {"jobs"}
+    first = server.add_cronjob_pod("ml", "nightly-eval", ["eval"])
+    twin = json.loads(json.dumps(first))
+    twin["metadata"].update(name="nightly-eval-29412360-z1x2c", uid="uid-twin")
+    server.put_pod(twin)
+    uids = [first["metadata"]["uid"], "uid-twin"]
+    job = "/apis/batch/v1/namespaces/ml/jobs/nightly-eval-29412360"
+    async with watching(server, tmp_path, retry_failed_s=0.5, refresh_s=0.05) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        before = watch.view
+        assert [workload(watch, u) for u in uids] == [("Job", "nightly-eval-29412360")] * 2
+        assert gets(server, job) == [403]
+        events = watch.stats.events
+        server.forbidden = set()
+        await until(lambda: workload(watch, uids[0]) == ("CronJob", "nightly-eval"), 5)
+        assert workload(watch, uids[1]) == ("CronJob", "nightly-eval")
+        assert before[uids[0]].identity.workload_kind == "Job"  # a new view, the old one kept
+        await asyncio.sleep(0.3)  # several refresh passes: the resolved owner is cached
+        assert gets(server, job) == [403, 200]
+        assert watch.stats.events == events and watch.stats.lists == 1
+
+
+async def test_a_failed_reread_of_a_resolved_owner_keeps_what_it_resolved_to(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    pod = server.add_cronjob_pod("ml", "nightly-eval", ["eval"])
+    uid = pod["metadata"]["uid"]
+    job = "/apis/batch/v1/namespaces/ml/jobs/nightly-eval-29412360"
+    async with watching(
+        server, tmp_path, owner_ttl_s=0.3, retry_failed_s=0.3, refresh_s=0.05
+    ) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        assert workload(watch, uid) == ("CronJob", "nightly-eval")
+        server.forbidden = {"jobs"}
+        await until(lambda: 403 in gets(server, job), 5)  # the refresh read it again
+        await until(lambda: watch.stats.owner_errors >= 1, 5)
+        assert workload(watch, uid) == ("CronJob", "nightly-eval")  # not ("Job", ...)
+
+
+async def test_namespace_labels_are_read_again_after_their_ttl_without_a_pod_event(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    pods = [server.add_owned_pod("ml", "StatefulSet", "s", f"s-{i}", ["a"]) for i in range(3)]
+    uids = [p["metadata"]["uid"] for p in pods]
+    async with watching(server, tmp_path, namespace_ttl_s=0.5, refresh_s=0.05) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        assert [names(watch)[u][4] for u in uids] == [{"cost-center": "cc-17"}] * 3
+        events = watch.stats.events
+        server.add_namespace("ml", {"cost-center": "cc-99"})
+        await until(lambda: all(names(watch)[u][4] == {"cost-center": "cc-99"} for u in uids), 5)
+        assert watch.stats.events == events and watch.stats.lists == 1
+    # One get per expiry of the namespace's entry, not one per pod: never two within the TTL.
+    times = [r.at for r in server.requests if r.path == "/api/v1/namespaces/ml"]
+    assert len(times) >= 2
+    assert all(b - a >= 0.4 for a, b in zip(times, times[1:], strict=False))
+
+
 @pytest.mark.parametrize(
     "owners",
     [[("ConfigMap", "shared-config")], [("PersistentVolumeClaim", "scratch"), ("Secret", "creds")]],

@@ -22,11 +22,18 @@ response is read as it streams and only the needed fields are decoded (`pods.py`
 What the watch learns is published as `view`: pod UID -> `PodView`, replaced whole on each
 change so that the scan thread can read it without a lock. A deleted pod stays in the view,
 marked deleted, for `keep_deleted_s`: its containers may still be running and billed.
+
+A pod's identity also depends on objects that are not watched (its ReplicaSet or Job, its
+namespace), read with `get` and cached. A long-running pod gets no event when one of those
+changes or a failed get would now succeed, so every `refresh_s` the identity of each live pod is
+resolved again from its kept metadata: an entry still fresh is a cache hit, an expired one costs
+one get for all the pods that share it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -71,6 +78,11 @@ class KubeSettings:
     page_size: int = 500
     owner_ttl_s: float = 3600.0  # a resolved ReplicaSet/Job owner is asked again after this
     namespace_ttl_s: float = 300.0  # namespace labels are read again after this
+    retry_failed_s: float = 60.0  # a failed owner or namespace get is asked again after this
+    # Identities of live pods are resolved again this often, so that an expired owner or
+    # namespace entry is read again without waiting for an event of the pod. Between expiries a
+    # pass is cache lookups only.
+    refresh_s: float = 10.0
     keep_deleted_s: float = 600.0
     # The stream is read at most this often (0: as data comes). The scan reads the view once
     # per interval anyway; not reading the socket in between lets a busy node's updates arrive
@@ -173,7 +185,9 @@ class Owners:
     """Workload of a pod: its controller, one level further for a ReplicaSet (its Deployment)
     and a Job (its CronJob), read with `get` and cached by the owner's UID. When the get fails
     (no RBAC, a deleted ReplicaSet) a ReplicaSet falls back to the naming convention
-    `<deployment>-<pod-template-hash>`, a Job stays a Job; the fallback is retried later."""
+    `<deployment>-<pod-template-hash>`, a Job stays a Job; the fallback is retried after
+    `retry_failed_s`. A failed get of an owner resolved before keeps what it resolved to: a
+    transient error on the periodic re-read does not turn a CronJob's pod into a Job's."""
 
     def __init__(self, api: Any, settings: KubeSettings, stats: WatchStats) -> None:
         from kubernetes_asyncio.client import AppsV1Api, BatchV1Api
@@ -209,8 +223,10 @@ class Owners:
                     ref.name,
                     describe(exc),
                 )
-            result = _by_convention(ref.kind, ref.name, meta.labels)
-            ttl = min(ttl, 60.0)
+            # What it resolved to before, if it was, is better than the naming convention.
+            fallback = _by_convention(ref.kind, ref.name, meta.labels)
+            result = hit[1] if hit is not None else fallback
+            ttl = min(ttl, self._settings.retry_failed_s)
         if len(self._cache) > 4096:
             self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
         self._cache[ref.uid] = (now + ttl, result)
@@ -283,7 +299,7 @@ class NamespaceLabels:
             self._stats.owner_errors += 1
             log.debug("namespace %s: %s", namespace, describe(exc))
             found = hit[1] if hit is not None else {}
-            ttl = min(ttl, 60.0)
+            ttl = min(ttl, self._settings.retry_failed_s)
         self._cache[namespace] = (now + ttl, found)
         return found
 
@@ -308,6 +324,8 @@ class PodWatch:
         self._core = CoreV1Api(api)
         self._owners = Owners(api, settings, self.stats)
         self._namespaces = NamespaceLabels(api, settings, self.stats)
+        # The metadata of each live pod, what its identity is resolved from (the refresh).
+        self._metas: dict[str, ObjectMeta] = {}
         self._selector = f"spec.nodeName={node}"
         self._episode = _Episode()
         self.synced = asyncio.Event()  # set after the first complete list
@@ -315,7 +333,16 @@ class PodWatch:
     # --- the protocol ----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """List and watch until cancelled."""
+        """List and watch until cancelled (and refresh identities alongside)."""
+        refresher = asyncio.create_task(self._refresh_loop())
+        try:
+            await self._list_and_watch()
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+
+    async def _list_and_watch(self) -> None:
         while True:
             retrying = AsyncRetrying(
                 wait=_Wait(self.settings),
@@ -367,6 +394,7 @@ class PodWatch:
         self._recovered()
         now = time.monotonic()
         listed = {p.metadata.uid for p in pods}
+        self._metas = {p.metadata.uid: _kept(p.metadata) for p in pods}
         view = dict(self.view)
         for uid, pv in list(view.items()):
             if uid not in listed and not pv.deleted:
@@ -458,7 +486,9 @@ class PodWatch:
             final = None if old is None else dataclasses.replace(old, phase=last.phase,
                                                                  runs=last.runs())  # fmt: skip
             new = _deleted(final, now) if final is not None else None
+            self._metas.pop(meta.uid, None)
         else:
+            self._metas[meta.uid] = _kept(meta)
             new = await self._view_of(pod, old, now)
         if new is not None and new != old:
             view = dict(self.view)
@@ -469,13 +499,12 @@ class PodWatch:
 
     # --- what a pod is -----------------------------------------------------------------------
 
-    async def _view_of(self, pod: Pod, old: PodView | None, now: float) -> PodView:
-        meta = pod.metadata
+    async def _identity(self, meta: ObjectMeta, now: float) -> Identity:
         kind, name = await self._owners.workload(meta, now)
         labels = await self._namespaces.labels(meta.namespace, now)
         labels = {**labels, **{k: meta.labels[k] for k in self.settings.pod_labels
                                if k in meta.labels}}  # fmt: skip
-        identity = Identity(
+        return Identity(
             pod_uid=meta.uid,
             namespace=meta.namespace,
             pod=meta.name,
@@ -483,6 +512,10 @@ class PodWatch:
             workload=name,
             labels=dict(sorted(labels.items())),
         )
+
+    async def _view_of(self, pod: Pod, old: PodView | None, now: float) -> PodView:
+        meta = pod.metadata
+        identity = await self._identity(meta, now)
         text = meta.annotations.get(allocation.ANNOTATION)
         alloc: allocation.Allocation | None = None
         error = None
@@ -497,6 +530,33 @@ class PodWatch:
         if old is not None and old == view:
             return old
         return view
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.refresh_s)
+            try:
+                await self._refresh(time.monotonic())
+            except Exception:  # a bug here must not end the watch: the next pass tries again
+                log.exception("pod watch: refreshing identities failed")
+
+    async def _refresh(self, now: float) -> None:
+        """Resolve the identity of every live pod again and publish the ones that changed, as
+        an event of the pod would (the identity stage then sends `PodIdentity`). Deleted pods
+        keep the identity they had."""
+        live = [(uid, meta) for uid, meta in self._metas.items()
+                if (pv := self.view.get(uid)) is not None and not pv.deleted]  # fmt: skip
+        resolved = [(uid, meta, await self._identity(meta, now)) for uid, meta in live]
+        view: dict[str, PodView] | None = None
+        for uid, meta, identity in resolved:
+            pv = self.view.get(uid)
+            # An event or a list that came in meanwhile resolved the pod from newer metadata.
+            if pv is None or pv.deleted or self._metas.get(uid) is not meta:
+                continue
+            if pv.identity != identity:
+                view = dict(self.view) if view is None else view
+                view[uid] = dataclasses.replace(pv, identity=identity)
+        if view is not None:
+            self.view = self._pruned(view, now)
 
     def _pruned(self, view: dict[str, PodView], now: float) -> dict[str, PodView]:
         keep = self.settings.keep_deleted_s
@@ -547,6 +607,12 @@ class PodWatch:
                 self.node,
             )
             self._episode = _Episode()
+
+
+def _kept(meta: ObjectMeta) -> ObjectMeta:
+    """What the refresh resolves an identity from: the annotations are not needed and can be
+    large (a last-applied configuration), so they are not kept."""
+    return msgspec.structs.replace(meta, annotations={})
 
 
 def _deleted(pv: PodView, now: float) -> PodView:
