@@ -298,9 +298,12 @@ def test_a_failed_listing_of_the_root_ends_nothing(
     ]  # fmt: skip
     monkeypatch.undo()
     a.add_memory(1, 0, "data", MiB)
-    # The same containers (cids 0 and 1), restated whole: nothing appears or starts again.
+    # The same containers (cids 0 and 1), announced again (the aggregator may have forgotten
+    # them) and restated whole: nothing starts again.
     assert h.scan() == [
+        *appeared(a, cid=0, container="a"),
         ev(UsageSample, cid=0, rows=[row(1, 4001, 0, data=GiB + MiB), row(1, 4001, 1)]),
+        *appeared(b, cid=1, container="b"),
         ev(UsageSample, cid=1, rows=[row(1, 4001, 0, data=GiB), row(1, 4001, 1)]),
     ]
     assert h.scan() == []
@@ -337,7 +340,10 @@ def test_a_failed_listing_of_a_container_folder_ends_nothing(
     assert h.scan() == []
     assert discovery.stats.deferred >= 1
     discovery.limits = limits
-    assert h.scan() == [ev(UsageSample, cid=0, rows=[row(1, 4001, 0, data=GiB), row(1, 4001, 1)])]
+    assert h.scan() == [
+        *appeared(a, cid=0, container="a"),
+        ev(UsageSample, cid=0, rows=[row(1, 4001, 0, data=GiB), row(1, 4001, 1)]),
+    ]
 
 
 def test_a_heartbeat_part_stays_under_a_kafka_request(
@@ -718,6 +724,32 @@ def test_garbage_files_are_anomalies_not_crashes(root: Path) -> None:
     ]
 
 
+def test_a_file_unusable_then_back_uninitialised_is_announced_again_and_ends_its_processes(
+    root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The container stays with its device table (billed as present): after a spell in which
+    heartbeats left it out, it is announced again with that table."""
+    w = make(writers, root, V12)
+    w.add_process(10, 1010)
+    h = Harness(root)
+    h.scan()
+
+    def denied(f: Any) -> Any:
+        raise PermissionError(13, "Permission denied", f.path)
+
+    monkeypatch.setattr(h.scanner.discovery, "open", denied)
+    assert h.scan() == [anomaly(w, "unreadable", "open: Permission denied")]
+    monkeypatch.undo()
+    with w.path.open("r+b") as f:
+        f.write(bytes(V12.file_size))  # zeroed in place by the restarted container
+    assert h.scan() == [
+        anomaly(w, "not_initialized", f"initialized_flag is not {MAGIC}"),
+        *appeared(w),
+        ev(ProcessExited, cid=0, pid=10, hostpid=1010),
+    ]
+    assert h.scan() == []
+
+
 def test_file_initialised_after_it_appeared(root: Path, writers: list[CacheWriter]) -> None:
     d = root / f"{POD}_main"
     d.mkdir()
@@ -948,7 +980,10 @@ def test_a_file_that_turns_unreadable_keeps_its_processes_and_is_restated_after(
     assert heartbeat.containers == []  # values lapse after max_gap instead of being restated
     monkeypatch.setattr(h.scanner.discovery, "open", real)
     w.add_memory(10, 0, "data", GiB)
-    assert h.scan() == [  # every row, not only the changed one: the values had lapsed
+    # Announced again (heartbeats left it out: the aggregator may have forgotten its name) with
+    # every row, not only the changed one: the values had lapsed.
+    assert h.scan() == [
+        *appeared(w),
         ev(UsageSample, cid=0, rows=[row(10, 1010, 0, data=2 * GiB), row(10, 1010, 1)]),
     ]
     heartbeat = h.events[-1]

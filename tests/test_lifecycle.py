@@ -31,7 +31,16 @@ from lifecycle import (
 from streams import hami, msg, read_csv, reference, write_local_log
 
 from collector.aggregate.records import CSV_FIELDS, iso_utc
-from collector.events import ContainerAppeared, LayoutAnomaly, ProcessExited, ProcessStarted
+from collector.aggregate.windows import Aggregator
+from collector.events import (
+    ContainerAppeared,
+    Identity,
+    LayoutAnomaly,
+    ProcessExited,
+    ProcessStarted,
+)
+from collector.node.identity import IdentityStage
+from collector.node.pods import PodView
 from collector.simulate import GiB, MiB
 
 Script = Callable[[Lab, int], None]
@@ -144,6 +153,26 @@ def unreadable_spell(lab: Lab, s: int) -> None:
         c.w.region.major_version = 9
         c.garbage = True
     if s == 160:
+        c.w.region.major_version = 1
+        c.garbage = False
+
+
+def unreadable_past_retain(lab: Lab, s: int) -> None:
+    """The file is garbage from 20 to 215, longer than the aggregator keeps the name of a
+    container it hears nothing of (2 x max_gap from the last sample at 19); usable again
+    between two heartbeats, with nothing changed."""
+    if s == 0:
+        c = lab.container("main")
+        lab.spawn(c, 1, 4001)
+    c = lab.ctrs["main"]
+    if s < 19:
+        lab.set_data(c, 1, 0, 2 * GiB + wave(s, 1))
+    if s == 19:
+        lab.set_data(c, 1, 0, 3 * GiB)
+    if s == 20:
+        c.w.region.major_version = 9
+        c.garbage = True
+    if s == 215:
         c.w.region.major_version = 1
         c.garbage = False
 
@@ -290,6 +319,7 @@ FIXED: dict[str, tuple[Script, bool]] = {  # name -> (script, with a host /proc)
     "clock_forward_60s": (clock_back(60), False),
     "late_device": (late_device, False),
     "unreadable_spell": (unreadable_spell, False),
+    "unreadable_past_retain": (unreadable_past_retain, False),
     "host_pid_lag": (host_pid_lag(60), True),
     "host_pid_lookup_timeout": (host_pid_lag(None), True),
     "garbled_count": (garbled_count, False),
@@ -387,6 +417,69 @@ def test_a_slot_whose_counters_move_is_live_whatever_its_host_pid(tmp_path: Path
     assert stale == [(4001, T0_MS + 30_000)]  # the killed process, once; not its successor
     starts = [(e.pid, e.hostpid, e.ts) for e in lab.events if isinstance(e, ProcessStarted)]
     assert starts == [(7, 4001, T0_MS), (7, 4001, T0_MS + 35_000)]
+
+
+@pytest.mark.parametrize("deleted", [False, True])
+def test_a_spell_longer_than_the_name_is_kept_is_billed_again_from_the_scan_after(
+    tmp_path: Path, deleted: bool
+) -> None:
+    """Unusable from 40 to 391: heartbeats leave the container out, and the aggregator forgets
+    its name (2 x max_gap after its last event, the heartbeat at 30) and its pod's identity.
+    The scan that reads the file again announces the container again and restates its pod's
+    identity, so its usage and limits are billed from 391 under its pod's name, not only from
+    the next heartbeat at 420. `deleted`: the pod is deleted at 100 (its identity is kept while
+    its container is tracked) and the container is gone at 400, before any heartbeat."""
+    lab = Lab(tmp_path, "spell")
+    pod = f"{0:08d}-0000-4000-8000-000000000000"
+    who = Identity(pod, "ml", "trainer-0", "Deployment", "trainer", {})
+    view: dict[str, PodView] = {pod: PodView(who, ("main",), None, None)}
+    lab.scanner.identity = IdentityStage(lambda: view)
+
+    def script(lab: Lab, s: int) -> None:
+        if s == 0:
+            c = lab.container("main", devices=1)
+            lab.spawn(c, 1, 4001)
+            lab.set_data(c, 1, 0, 2 * GiB)
+        if "main" not in lab.ctrs:
+            return
+        c = lab.ctrs["main"]
+        if s == 40:
+            c.w.region.major_version = 9
+        if s == 100 and deleted:
+            view.clear()
+        if s == 391:
+            c.w.region.major_version = 1
+        if s == 400 and deleted:
+            lab.remove(c)
+
+    lab.run(460, script)
+    agg = Aggregator(SETTINGS)
+    for i, e in enumerate(lab.events):
+        agg.add(lab.name, e, offset=i)
+    records = [r for r in agg.flush() if r.kind == "container" and r.pod_uid]
+    got = {
+        (r.window_start_ms - T0_MS) // 1000: (
+            r.memory_byte_seconds / GiB,
+            r.memory_limit_byte_seconds / GiB,
+            r.namespace,
+            r.pod,
+        )
+        for r in records
+    }
+    # The last sample (the heartbeat at 30) holds until max_gap after it (120); the presence too.
+    named = ("ml", "trainer-0")
+    want = {0: (120, 4 * 60, *named), 60: (120, 4 * 60, *named)}
+    if deleted:
+        want[360] = (2 * 9, 4 * 9, *named)
+    else:
+        want[360] = (2 * 29, 4 * 29, *named)
+        want[420] = (2 * 40, 4 * 40, *named)
+    assert got == want
+    assert agg.stats.unattributed_rows == 0
+    at = T0_MS + 391_000
+    assert [type(e).__name__ for e in lab.events if e.ts == at] == [
+        "ContainerAppeared", "UsageSample", "PodIdentity",
+    ]  # fmt: skip
 
 
 # --- the same through the services ----------------------------------------------------------

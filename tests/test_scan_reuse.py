@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from collector.events import Event, Heartbeat
+from collector.events import ContainerAppeared, Event, Heartbeat
 from collector.node.scan import Scanner
 from collector.simulate import NodeSimulator
 
@@ -30,15 +30,22 @@ def test_reuse_gives_the_same_events(tmp_path: Path, busy: bool) -> None:
     fresh = Scanner(tmp_path, heartbeat_s=5, inc=1, reuse=False)
     now = 1_700_000_000_000
     skipped = 0
+    # One file is unusable from scan 10 to 19: scan 20 announces its container again.
+    spelled = sim.containers[3].writer
+    path, major = str(spelled.path), spelled.region.major_version
     for n in range(40):
         if busy or n % 5 == 0:
             sim.step(time.time())
         elif n % 5 == 1:
             sim.containers[n % 20].writer.kernel_launched(time.time())  # the tail only
+        if n in (10, 20):
+            spelled.region.major_version = 9 if n == 10 else major
         now += 1000
         a = [timeless(e) for e in reusing.scan(now_ms=now)]
         b = [timeless(e) for e in fresh.scan(now_ms=now)]
         assert a == b, n
+        if n == 20:
+            assert path in [e.path for e in a if isinstance(e, ContainerAppeared)]
         assert reusing.published == fresh.published
         skipped += reusing.stats.settled
         assert fresh.stats.settled == 0

@@ -177,6 +177,8 @@ def diff(
         if any(a.kind == "not_initialized" for a in snap.anomalies):
             # Back to uninitialised (emptied or zeroed): what the file held has ended. Its
             # device table stays until the new run writes one.
+            if st.unobserved and policy == "folder":
+                _announce(st, stamp, events)  # the aggregator may have forgotten it
             st.unobserved = False
             end_all(st, stamp, events)
             if policy == "processes":
@@ -186,6 +188,7 @@ def diff(
         # look like every process exiting.
         st.unobserved = st.restate = True
         return events
+    again = st.appeared and st.unobserved
     st.unobserved = False
     st.last_kernel_time = snap.last_kernel_time
 
@@ -204,7 +207,7 @@ def diff(
     partial = torn or garbled
 
     announce = policy == "folder" or bool(procs) or bool(st.procs)
-    restate = _identity(st, snap, stamp, events, announce=announce) or st.restate
+    restate = _identity(st, snap, stamp, events, announce=announce, again=again) or st.restate
     _report_anomalies(st, anomalies, stamp, events)
 
     held = set(st.procs) if garbled else _held(st, snap)
@@ -226,33 +229,47 @@ def diff(
 
 
 def _identity(
-    st: FileState, snap: Snapshot, stamp: Stamp, events: list[Event], *, announce: bool
+    st: FileState,
+    snap: Snapshot,
+    stamp: Stamp,
+    events: list[Event],
+    *,
+    announce: bool,
+    again: bool = False,
 ) -> bool:
     """Announce the container (when `announce`), or state a changed device table; True when
     the table changed (every row is restated with a new one). An unannounced container keeps
-    its table quietly: its announcement carries the table of that moment."""
+    its table quietly: its announcement carries the table of that moment. `again`: the file
+    is usable after an unusable spell, in which no heartbeat stated the container and the
+    aggregator may have forgotten its name (after 2 x max_gap): it is announced again, with
+    the table of now, so the rows restated with it are billed under it."""
     devices = [DeviceLimit(d.index, d.uuid, d.limit_bytes, d.sm_limit) for d in snap.devices]
     layout = snap.layout or ""
     changed = devices != st.devices or layout != st.layout
     st.layout, st.devices = layout, devices
-    if st.appeared:
+    if st.appeared and not (again and announce):
         if changed:
             events.append(stamp(LimitsChanged, cid=st.cid, devices=devices))
         return changed
     if announce:
-        st.appeared = True
-        events.append(
-            stamp(
-                ContainerAppeared,
-                cid=st.cid,
-                pod_uid=st.pod_uid,
-                container=st.container,
-                path=st.path,
-                layout=layout,
-                devices=devices,
-            )
+        _announce(st, stamp, events)
+    return changed and again
+
+
+def _announce(st: FileState, stamp: Stamp, events: list[Event]) -> None:
+    """`ContainerAppeared` with the container's name, path and device table as `st` has them."""
+    st.appeared = True
+    events.append(
+        stamp(
+            ContainerAppeared,
+            cid=st.cid,
+            pod_uid=st.pod_uid,
+            container=st.container,
+            path=st.path,
+            layout=st.layout,
+            devices=st.devices,
         )
-    return False
+    )
 
 
 def vanish(st: FileState, stamp: Stamp, events: list[Event]) -> None:

@@ -5,7 +5,9 @@ by the watch, never mutated, so no lock) and emits
 
 * `PodIdentity` when the identity of a pod with a tracked container becomes known or changes;
   the last one sent is kept while a container of the pod is tracked, also after the pod is
-  deleted or forgotten by the watch, and restated in every heartbeat;
+  deleted or forgotten by the watch, and restated in every heartbeat, and when a container of
+  the pod is usable again after an unusable spell (announced again: heartbeats left it out, so
+  the aggregator may have forgotten the identity too);
 * `LayoutAnomaly(allocation_mismatch)` when HAMi's allocation annotation and the limits in the
   container's cache file disagree (or the annotation does not parse), once while it persists.
 """
@@ -29,26 +31,37 @@ class IdentityStage:
         self.sent: dict[str, Identity] = {}  # pod uid -> the identity last sent
         self._alloc: dict[int, tuple[Any, Any, str | None]] = {}  # cid -> (view, devices, detail)
         self.unnamed = 0  # tracked containers whose pod is not known (gauge)
+        self._unobserved: set[int] = set()  # cids unusable at the last scan
 
     def process(self, files: Iterable[FileState], stamp: Stamp) -> list[Event]:
         view = self._view()
         events: list[Event] = []
         pods: set[str] = set()
         cids: set[int] = set()
+        unobserved: set[int] = set()
+        again: set[str] = set()  # pods restated this scan
         unnamed = 0
         for st in files:
             if not st.appeared:
                 continue
             uid = st.pod_uid
             pods.add(uid)
+            if st.unobserved:
+                unobserved.add(st.cid)
+            # usable again after an unusable spell: its pod's identity is restated with it
+            back = st.cid in self._unobserved and not st.unobserved and uid not in again
             pv = view.get(uid)
-            if pv is None:
-                if uid not in self.sent:
-                    unnamed += 1
+            sent = self.sent.get(uid)
+            identity = sent if pv is None else pv.identity  # kept after the pod is deleted
+            if identity is None:
+                unnamed += 1
                 continue
-            if self.sent.get(uid) != pv.identity:
-                self.sent[uid] = pv.identity
-                events.append(stamp(PodIdentity, identity=pv.identity))
+            if identity != sent or back:
+                again.add(uid)
+                self.sent[uid] = identity
+                events.append(stamp(PodIdentity, identity=identity))
+            if pv is None:
+                continue
             if not st.unobserved:
                 cids.add(st.cid)
                 self._check(st, pv, stamp, events)
@@ -57,6 +70,7 @@ class IdentityStage:
         for cid in self._alloc.keys() - cids:
             del self._alloc[cid]
         self.unnamed = unnamed
+        self._unobserved = unobserved
         return events
 
     def _check(self, st: FileState, pv: PodView, stamp: Stamp, events: list[Event]) -> None:
