@@ -138,43 +138,34 @@ def late_device(lab: Lab, s: int) -> None:
         c.w._set_device_num(2)
 
 
-def unreadable_spell(lab: Lab, s: int) -> None:
-    """The file is garbage (an unknown version) from 40 to 160, longer than max_gap; the
-    process is idle from 39 on, so nothing changes when the file is readable again."""
-    if s == 0:
-        c = lab.container("main")
-        lab.spawn(c, 1, 4001)
-    c = lab.ctrs["main"]
-    if s < 39:
-        lab.set_data(c, 1, 0, 2 * GiB + wave(s, 1))
-    if s == 39:
-        lab.set_data(c, 1, 0, 3 * GiB)
-    if s == 40:
-        c.w.region.major_version = 9
-        c.garbage = True
-    if s == 160:
-        c.w.region.major_version = 1
-        c.garbage = False
+def garbage_between(first: int, last: int) -> Script:
+    """The file is garbage (an unknown version) from `first` to `last`; the process is idle
+    from `first - 1` on, so nothing changes when the file is readable again."""
+
+    def script(lab: Lab, s: int) -> None:
+        if s == 0:
+            c = lab.container("main")
+            lab.spawn(c, 1, 4001)
+        c = lab.ctrs["main"]
+        if s < first - 1:
+            lab.set_data(c, 1, 0, 2 * GiB + wave(s, 1))
+        if s == first - 1:
+            lab.set_data(c, 1, 0, 3 * GiB)
+        if s == first:
+            c.w.region.major_version = 9
+            c.garbage = True
+        if s == last:
+            c.w.region.major_version = 1
+            c.garbage = False
+
+    return script
 
 
-def unreadable_past_retain(lab: Lab, s: int) -> None:
-    """The file is garbage from 20 to 215, longer than the aggregator keeps the name of a
-    container it hears nothing of (2 x max_gap from the last sample at 19); usable again
-    between two heartbeats, with nothing changed."""
-    if s == 0:
-        c = lab.container("main")
-        lab.spawn(c, 1, 4001)
-    c = lab.ctrs["main"]
-    if s < 19:
-        lab.set_data(c, 1, 0, 2 * GiB + wave(s, 1))
-    if s == 19:
-        lab.set_data(c, 1, 0, 3 * GiB)
-    if s == 20:
-        c.w.region.major_version = 9
-        c.garbage = True
-    if s == 215:
-        c.w.region.major_version = 1
-        c.garbage = False
+# Longer than max_gap.
+unreadable_spell = garbage_between(40, 160)
+# Longer than the aggregator keeps the name of a container it hears nothing of (2 x max_gap
+# from the last sample at 19); usable again between two heartbeats.
+unreadable_past_retain = garbage_between(20, 215)
 
 
 def host_pid_lag(replaced_at: int | None) -> Script:
