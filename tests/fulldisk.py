@@ -44,7 +44,10 @@ class FullDisk:
         segments = sorted(self.directory.rglob("*.log"), key=lambda p: p.name)
         return segments[-1].stat().st_size if segments else 0
 
-    def fill(self) -> None:
+    def fill(self, page_room: bool = False) -> None:
+        """A full tmpfs still takes writes into the last page a file already has (a write
+        across its end is cut short there); `page_room` makes the file-size limit do the same
+        (by default it stops at the newest segment's current size)."""
         self.full = True
         if self.kind == "tmpfs":
             chunk = b"\0" * (64 * 1024)
@@ -58,6 +61,9 @@ class FullDisk:
         elif self.pid is not None:
             self._saved = resource.prlimit(self.pid, resource.RLIMIT_FSIZE)
             limit = self._newest_segment()
+            if page_room:
+                page = resource.getpagesize()
+                limit = -(-limit // page) * page
             resource.prlimit(self.pid, resource.RLIMIT_FSIZE, (limit, self._saved[1]))
 
     def free(self) -> None:

@@ -8,8 +8,10 @@ restart on a full disk does not crash.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from test_collector_metrics import get as http_get
 from collector.events import Heartbeat, decode
 from collector.simulate import NodeSimulator
 from collector.transport.locallog import LocalLog, LogReader, LogRecord
+from collector.transport.locallog import writer as writer_module
 
 HAMI_USAGE = Path(sys.executable).parent / "hami-usage"
 
@@ -242,3 +245,75 @@ def test_writer_holds_what_it_accepted_until_the_disk_takes_it(tmp_path: Path) -
     assert [r.offset for r in got] == list(range(151))
     assert [r.value for r in got[:150]] == [i.to_bytes(4, "big") * 100 for i in range(150)]
     assert reader.stats.corrupt_frames == 0
+
+
+def test_records_a_cut_short_write_left_whole_are_not_counted_lost(tmp_path: Path) -> None:
+    """The disk takes part of the last write (the rest of the segment's last page) and then
+    refuses: the stop count is exactly the records that are not on disk after a reopen."""
+    frame = 26 + 1 + 100
+    page = resource.getpagesize()
+    with full_disk(tmp_path / "disk", size=1024 * 1024) as disk:
+        directory = disk.directory / "log"
+        disk.attach(os.getpid())
+        try:
+            log = LocalLog(directory)
+            for i in range(10):
+                assert log.append(b"k", bytes([i]) * 100, i) == i
+            log.flush()
+            disk.fill(page_room=True)
+            for i in range(10, 60):
+                assert log.append(b"k", bytes([i]) * 100, i) == i
+            log.flush()
+            assert (log.blocked, log.unwritten) == (disk.strerror, 50)
+            log.close()
+        finally:
+            disk.free()
+        whole = (page - 10 * frame) // frame  # the frames that fit the rest of the page
+        assert log.stats.unwritten_records == 50 - whole
+        # The torn frame after them is cut at close: the next open finds no torn tail.
+        assert (directory / f"{0:020d}.log").stat().st_size == (10 + whole) * frame
+        with LocalLog(directory) as again:
+            assert (again.next_offset, again.stats.torn_tail_bytes) == (10 + whole, 0)
+        got, reader = read_all(directory)
+    assert [(r.offset, r.value) for r in got] == [(i, bytes([i]) * 100) for i in range(10 + whole)]
+    assert 60 - len(got) == log.stats.unwritten_records
+    assert reader.stats.corrupt_frames == 0
+
+
+def test_first_start_on_a_full_disk_waits_for_space(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log's folder exists but the disk has no room for a new file (a full directory block
+    or no free inode: neither a full tmpfs nor the file-size limit refuses an empty file, so the
+    refusal is made at os.open). The log opens blocked, rejects and counts, and creates its first
+    segment once the disk takes it."""
+    directory = tmp_path / "log"
+    directory.mkdir()
+    real_open = os.open
+    full = True
+
+    def open_(path: str | Path, flags: int, mode: int = 0o777) -> int:
+        if full and flags & os.O_CREAT and not os.path.exists(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, flags, mode)
+
+    (directory / "writer.lock").touch()
+    monkeypatch.setattr(writer_module.os, "open", open_)
+    with LocalLog(directory) as log:
+        assert log.blocked == os.strerror(errno.ENOSPC)
+        assert (log.stats.blocked_episodes, log.stats.write_errors) == (1, 1)
+        assert log.append(b"k", b"a", 1) is None
+        time.sleep(0.15)  # past the retry pause of appends: the retry is refused too
+        assert log.append(b"k", b"b", 2) is None
+        log.flush()
+        assert (log.stats.rejected_records, log.stats.write_errors) == (2, 3)
+        assert list(directory.glob("*.log")) == []
+        full = False
+        time.sleep(0.15)
+        assert log.append(b"k", b"c", 3) == 0
+        assert log.append(b"k", b"d", 4) == 1
+        assert log.blocked is None
+        assert (log.stats.blocked_episodes, log.stats.appended_records) == (1, 2)
+    assert log.stats.unwritten_records == 0
+    got, _ = read_all(directory)
+    assert [(r.offset, r.value) for r in got] == [(0, b"c"), (1, b"d")]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -13,7 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from collector.aggregate.service import CheckpointError, open_checkpoint
 from collector.transport import locallog
+from collector.transport.kafka import FORWARDER_GROUP, KafkaForwarder, ProducerSettings
 from collector.transport.locallog import (
     FRAME_OVERHEAD,
     CorruptCheckpointError,
@@ -21,6 +24,7 @@ from collector.transport.locallog import (
     LogLockedError,
     LogReader,
     LogRecord,
+    ReaderStats,
 )
 
 KEY = b"k"
@@ -344,6 +348,67 @@ def test_corrupt_checkpoint_keeps_everything(tmp_path: Path) -> None:
         reader.committed("broken")
 
 
+def test_checkpoints_past_where_a_power_loss_left_the_log_are_moved_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Checkpoints are fsync'd, segments are not: after a power loss the log can end below a
+    consumer's checkpoint. The writer that reopens it moves the checkpoint back to where the log
+    ends (keeping its metadata), so the records it appends from there are read, not skipped."""
+    reader = LogReader(tmp_path)
+    with LocalLog(tmp_path) as log:
+        fill(log, 0, 100)
+    reader.commit("hami-usage-aggregator", 100, '{"emitted_until_ms": 7}')
+    reader.commit("behind", 40, "b")
+    reader.commit("at-end", 60)
+    (tmp_path / "consumers" / "broken.json").write_bytes(b'{"offset": ')
+    os.truncate(segment_path(tmp_path, 0), 60 * FRAME)  # the last 40 frames never hit the disk
+    # The aggregator starting first still refuses the checkpoint (exit 4): nothing moved it.
+    with pytest.raises(CheckpointError, match="at offset 100, beyond the end of the log"):
+        open_checkpoint(LogReader(tmp_path), "hami-usage-aggregator", tmp_path)
+    writer_log = "collector.transport.locallog.writer"
+    with caplog.at_level(logging.WARNING, logger=writer_log), LocalLog(tmp_path) as log:
+        assert log.opened_end == 60
+        for i in range(50):
+            assert log.append(KEY, value(1000 + i), 5000 + i) == 60 + i
+    assert [r.getMessage() for r in caplog.records] == [
+        f"local log {tmp_path}: checkpoint of group hami-usage-aggregator was at offset 100, "
+        "past where the log ends (segments lost in a crash): moved back to 60"
+    ]
+    reader = LogReader(tmp_path)
+    assert open_checkpoint(reader, "hami-usage-aggregator", tmp_path) == (
+        60,
+        '{"emitted_until_ms": 7}',
+    )
+    assert reader.committed("behind") == (40, "b")
+    assert reader.committed("at-end") == (60, "")
+    assert (tmp_path / "consumers" / "broken.json").read_bytes() == b'{"offset": '
+    got = reader.read(60, 1000)
+    assert [(r.offset, r.value) for r in got] == [(60 + i, value(1000 + i)) for i in range(50)]
+    assert reader.stats == ReaderStats()
+
+
+def test_forwarder_with_an_unreadable_spool_checkpoint_sends_the_spool_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sending again what the broker may have is safe (the aggregator drops duplicates); a
+    collector that cannot start is not. The next commit replaces the file."""
+    with LocalLog(tmp_path, segment_bytes=10 * FRAME) as spool:
+        fill(spool, 0, 30)
+        spool.flush()
+        spool.release_before(10)  # what the broker had acknowledged
+    (tmp_path / "consumers").mkdir()
+    checkpoint = tmp_path / "consumers" / f"{FORWARDER_GROUP}.json"
+    checkpoint.write_bytes(b"")
+    with LocalLog(tmp_path, segment_bytes=10 * FRAME) as spool:
+        with caplog.at_level(logging.WARNING, logger="collector.transport.kafka"):
+            fwd = KafkaForwarder(ProducerSettings("127.0.0.1:9"), spool, tmp_path)
+        assert (spool.first_offset, spool.next_offset, fwd.depth()) == (10, 30, 20)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"spool checkpoint unreadable ({checkpoint}: Input data was truncated): "
+            "forwarding the whole spool again"
+        ]
+
+
 def test_release_before_deletes_only_whole_sealed_segments(tmp_path: Path) -> None:
     reader = LogReader(tmp_path)
     with LocalLog(tmp_path, segment_bytes=4 * FRAME) as log:
@@ -603,6 +668,8 @@ def test_commit_round_trip(tmp_path: Path) -> None:
 
 
 def test_commit_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with LocalLog(tmp_path) as log:
+        fill(log, 0, 6)
     reader = LogReader(tmp_path)
     reader.commit("agg", 5, "old")
     consumers = tmp_path / "consumers"
@@ -610,8 +677,6 @@ def test_commit_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     (consumers / ".agg.abc123.tmp").write_bytes(b'{"offs')
     assert reader.committed("agg") == (5, "old")
     with LocalLog(tmp_path) as log:
-        fill(log, 0, 6)
-        log.flush()
         assert log.retain_from() == 5
 
     def crash(src: object, dst: object) -> None:

@@ -27,7 +27,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from .locallog import LocalLog, LogReader
+from .locallog import CorruptCheckpointError, LocalLog, LogReader
 from .security import KafkaSecurity, Refusal, SecurityError, classify
 from .topics import TopicSpec, warn_on_mismatch
 
@@ -197,7 +197,13 @@ class KafkaForwarder:
         self._producer: AIOKafkaProducer | None = None
         self._wake = asyncio.Event()
         self._commit_failing = False
-        committed = self.reader.committed(FORWARDER_GROUP)
+        try:
+            committed = self.reader.committed(FORWARDER_GROUP)
+        except CorruptCheckpointError as exc:
+            # Sending the spool again is safe (the aggregator drops what it already has);
+            # skipping any of it is not. The next commit replaces the file.
+            log.warning("spool checkpoint unreadable (%s): forwarding the whole spool again", exc)
+            committed = None
         self._offset = committed[0] if committed else spool.first_offset
         if self._offset > spool.opened_end:
             # The checkpoint is fsync'd and the segments are not (unless `fsync`): after a

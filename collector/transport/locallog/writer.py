@@ -26,9 +26,11 @@ from .checkpoint import (
     CHECKPOINT_SUFFIX,
     CONSUMERS_DIR,
     GROUP_NAME,
+    Checkpoint,
     CorruptCheckpointError,
     fsync_dir,
     load_checkpoint,
+    store_checkpoint,
 )
 from .frames import (
     BODY_HEAD,
@@ -109,11 +111,15 @@ class LocalLog:
         self.last_block: str | None = None  # why the last episode began
         self._need = 0  # frame bytes of the record the size bound rejected last, this episode
         self._last_retry = 0.0
+        self._fd: int | None = None  # the newest segment; None until the disk let it be created
         directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock()
         try:
             self._open_segments()
+            self._rewind_checkpoints()
         except BaseException:
+            if self._fd is not None:
+                os.close(self._fd)
             os.close(self._lock_fd)
             raise
 
@@ -141,19 +147,67 @@ class LocalLog:
         if not self._bases:
             self._bases = [0]
             self._sizes = [0]
-            self._fd = self._create_segment(0)
             self._next_offset = 0
+            try:
+                self._fd = self._create_segment(0)
+            except OSError as exc:
+                # A first start on a full disk: blocked from the start, like a failed write;
+                # the segment is created by the first retry the disk takes.
+                self._failed(exc)
+                self._block(_describe(exc))
         else:
             self._sizes = [os.stat(self._dir / segment_name(b)).st_size for b in self._bases]
             self._fd = os.open(self._dir / segment_name(self._bases[-1]), os.O_RDWR)
-            try:
-                self._recover_active()
-            except BaseException:
-                os.close(self._fd)
-                raise
+            self._recover_active()
         self._total_bytes = sum(self._sizes)
         self._written_offset = self._next_offset  # records below this reached the OS
         self.opened_end = self._next_offset  # where the log ended when this writer opened it
+
+    def _rewind_checkpoints(self) -> None:
+        """Move every consumer checkpoint that lies past where the log ends back to that end.
+
+        Checkpoints are fsync'd and segments are not (unless `fsync`): after a power loss the
+        log can end below a checkpoint, and the records appended from now on take offsets the
+        consumer would skip. Its metadata is kept (the aggregator's says which windows it has
+        emitted, so none is emitted twice). An unreadable checkpoint is left to its consumer.
+        """
+        try:
+            names = sorted(os.listdir(self._dir / CONSUMERS_DIR))
+        except FileNotFoundError:
+            return
+        for name in names:
+            group = name.removesuffix(CHECKPOINT_SUFFIX)
+            if name == group or not GROUP_NAME.match(group):
+                continue
+            path = self._dir / CONSUMERS_DIR / name
+            try:
+                checkpoint = load_checkpoint(path)
+            except (CorruptCheckpointError, OSError):
+                continue
+            if checkpoint is None or checkpoint.offset <= self.opened_end:
+                continue
+            try:
+                store_checkpoint(path, group, Checkpoint(self.opened_end, checkpoint.metadata))
+            except OSError as exc:
+                log.error(
+                    "local log %s: checkpoint of group %s is at offset %d, past where the log "
+                    "ends (%d; segments lost in a crash), and could not be moved back (%s): "
+                    "that consumer skips the records appended up to its offset",
+                    self._dir,
+                    group,
+                    checkpoint.offset,
+                    self.opened_end,
+                    _describe(exc),
+                )
+                continue
+            log.warning(
+                "local log %s: checkpoint of group %s was at offset %d, past where the log ends "
+                "(segments lost in a crash): moved back to %d",
+                self._dir,
+                group,
+                checkpoint.offset,
+                self.opened_end,
+            )
 
     def _recover_active(self) -> None:
         """Cut the newest segment back to the end of its last valid frame (a crash can tear
@@ -169,12 +223,19 @@ class LocalLog:
             for _ in walk_frames(f, size, 0, base, base, end, None, None, damaged):
                 pass
         if end.pos < size:
-            os.ftruncate(self._fd, end.pos)
+            fd = self._active_fd()
+            os.ftruncate(fd, end.pos)
             if self._fsync:
-                os.fsync(self._fd)
+                os.fsync(fd)
             self.stats.torn_tail_bytes += size - end.pos
             self._sizes[-1] = end.pos
         self._next_offset = end.offset
+
+    def _active_fd(self) -> int:
+        """The newest segment's descriptor, creating the file if a full disk refused it."""
+        if self._fd is None:
+            self._fd = self._create_segment(self._bases[-1])
+        return self._fd
 
     def _create_segment(self, base: int) -> int:
         fd = os.open(self._dir / segment_name(base), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -258,7 +319,7 @@ class LocalLog:
         try:
             self._write_pending()
             if self._fsync and self._unsynced:
-                os.fsync(self._fd)
+                os.fsync(self._active_fd())
                 self._unsynced = False
         except OSError as exc:
             self._failed(exc)
@@ -267,15 +328,47 @@ class LocalLog:
             self._io_error = None
 
     def close(self) -> None:
+        """Write what is buffered; what the disk still refuses is lost, and counted in
+        `stats.unwritten_records` (the records not wholly on disk)."""
         if self._closed:
             return
         try:
             self.flush()
+            if self._pending:
+                with contextlib.suppress(OSError):
+                    self._keep_whole_frames()
         finally:
             self._closed = True
             self.stats.unwritten_records = self.unwritten
-            os.close(self._fd)
+            if self._fd is not None:
+                os.close(self._fd)
             os.close(self._lock_fd)
+
+    def _keep_whole_frames(self) -> None:
+        """After a final write that failed part way: the records of the buffer that did reach
+        the file whole stay written (and are not counted lost); the torn one after them is cut,
+        as the next open would."""
+        if self._fd is None:
+            return
+        position = self._sizes[-1]
+        on_disk = os.pread(self._fd, len(self._pending), position)
+        kept = records = 0
+        while kept + LENGTH_FIELD <= len(on_disk):
+            n = LENGTH_FIELD + int.from_bytes(self._pending[kept : kept + LENGTH_FIELD], "little")
+            if (
+                kept + n > len(on_disk)
+                or on_disk[kept : kept + n] != self._pending[kept : kept + n]
+            ):
+                break
+            kept += n
+            records += 1
+        self._pending = self._pending[kept:]
+        self._sizes[-1] = position + kept
+        self._written_offset += records
+        with contextlib.suppress(OSError):  # else the next open cuts the torn frame
+            os.ftruncate(self._fd, position + kept)
+            if self._fsync:
+                os.fsync(self._fd)
 
     def __enter__(self) -> LocalLog:
         return self
@@ -387,15 +480,16 @@ class LocalLog:
     def _roll(self) -> None:
         self._write_pending()
         if self._fsync and self._unsynced:
-            os.fsync(self._fd)
+            os.fsync(self._active_fd())
             self._unsynced = False
         fd = self._create_segment(self._next_offset)
-        os.close(self._fd)
+        os.close(self._active_fd())
         self._fd = fd
         self._bases.append(self._next_offset)
         self._sizes.append(0)
 
     def _write_pending(self) -> None:
+        fd = self._active_fd()
         if not self._pending:
             return
         position = self._sizes[-1]
@@ -404,7 +498,7 @@ class LocalLog:
         # same bytes instead of appending after a torn frame.
         with memoryview(self._pending) as view:
             while written < len(view):
-                written += os.pwrite(self._fd, view[written:], position + written)
+                written += os.pwrite(fd, view[written:], position + written)
         self._sizes[-1] = position + written
         self._pending.clear()
         self._unsynced = True
