@@ -776,3 +776,16 @@ def test_scanner_emits_inventory_and_drift_in_its_own_sequence(tmp_path: Path) -
         scanner.crosscheck.close()  # type: ignore[union-attr]
     finally:
         w.close()
+
+
+@pytest.mark.parametrize(
+    ("ratio", "nvml", "edge"),
+    [(0.7, 190_084_892_370, 133_059_424_659), (0.05, 8 * GiB, 429_496_729), (0.3, 10, 3)],
+)
+def test_a_difference_of_exactly_the_ratio_is_not_drift(ratio: float, nvml: int, edge: int) -> None:
+    """`|cache - NVML| > max(bytes, ratio x NVML)`: with the ratio as written (0.7 is 7/10),
+    not its float, whose product with NVML's bytes came out a byte short for 0.7."""
+    tol = DriftTolerance(bytes=0, ratio=ratio)
+    assert tol.allowed(nvml) == edge
+    assert not tol.drifts(nvml, nvml + edge) and not tol.drifts(nvml, nvml - edge)
+    assert tol.drifts(nvml, nvml + edge + 1) and tol.drifts(nvml, nvml - edge - 1)

@@ -24,8 +24,10 @@ which a device's processes could not be read leaves that device's state as it wa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Generic, TypeVar
 
 from ..events import (
@@ -50,8 +52,14 @@ class DriftTolerance:
     bytes: int = DEFAULT_TOLERANCE_BYTES
     ratio: float = DEFAULT_TOLERANCE_RATIO
 
+    @functools.cached_property
+    def _ratio(self) -> Fraction:
+        # The ratio as written (0.7 is 7/10): the float product could land a byte below it.
+        return Fraction(repr(self.ratio))
+
     def allowed(self, nvml: int) -> int:
-        return max(self.bytes, int(self.ratio * nvml))
+        r = self._ratio
+        return max(self.bytes, nvml * r.numerator // r.denominator)
 
     def drifts(self, nvml: int, cache: int) -> bool:
         return abs(cache - nvml) > self.allowed(nvml)
