@@ -249,3 +249,29 @@ def test_a_dropped_key_is_never_updated_through_the_layout(how: str) -> None:
     want = _records(_decoded, stream)
     assert want[0]
     assert want == _records(_intake, stream) == _records(_kafka, stream)
+
+
+def test_a_partition_read_again_from_another_replicas_offset_is_no_seq_gap() -> None:
+    """A partition read by this replica up to offset 100, by another from 101 to 499, then
+    assigned to this one again at the other's position: where it comes in again is not a gap
+    (the service forgets the partition's seq state at each assignment), while a real gap in
+    another partition stays counted."""
+    c, other = Collector(inc=5), Collector(inc=6)
+    vals = [encode(c.sample(T0 + i * 1000, row(1, 100, 0, 7, 3))) for i in range(600)]
+    stats = InputStats()
+
+    def read(source: int, values: list[bytes], offsets: range) -> None:
+        agg = Aggregator(WindowSettings())
+        for off in offsets:
+            add_record(agg, stats, b"n1" if source == 0 else b"n2", values[off],
+                       source=source, offset=off, record_ts_ms=T0)  # fmt: skip
+
+    read(0, vals, range(0, 101))
+    gapped = [encode(other.sample(T0 + i * 1000, row(1, 100, 0, 7, 3))) for i in range(10)]
+    read(1, gapped, range(0, 3))
+    read(1, gapped, range(5, 10))  # offsets 3 and 4 never arrive: seq 3, 4 missing
+    stats.damage.forget_source(0)  # assigned again
+    read(0, vals, range(380, 600))
+    assert (stats.damage.seq_gaps, stats.damage.seq_missing) == (1, 2)
+    read(0, vals, range(590, 600))  # re-read by the same reader: duplicates, not gaps
+    assert (stats.damage.seq_gaps, stats.damage.seq_missing) == (1, 2)

@@ -5,7 +5,8 @@ What a consumer (aggregate, replay, demo) can tell about its input besides the e
   node's events live in one partition (and one local log) in the collector's own order, so a
   seq beyond the highest one seen + 1 means events went missing in between: dropped by the
   collector (its heartbeats say how many: `dropped`), or lost on the way. The first seq seen of
-  an incarnation is where this reader came in, not a gap.
+  an incarnation is where this reader came in, not a gap; so is the first one after a partition
+  was assigned to this reader again (`forget_source`: another replica read what lies between).
 * from the local log: damaged frames passed over, deleted segments, records skipped, and a torn
   tail (the newest segment ends inside a frame and stays that way).
 
@@ -41,17 +42,18 @@ class DamageReport:
     torn_tail_bytes: int = 0
     seq_gaps: int = 0  # places where an incarnation's seq jumped
     seq_missing: int = 0  # events missing in those gaps
-    _incs: dict[tuple[str, int], _Incarnation] = field(default_factory=dict)
+    # (source, node, inc): a node's events are in one source, read in its order
+    _incs: dict[tuple[int, str, int], _Incarnation] = field(default_factory=dict)
 
-    def see(self, node: str, event: Event) -> None:
+    def see(self, node: str, event: Event, source: int = 0) -> None:
         """Every decoded event, in the order of its partition (duplicates included)."""
-        inc = self.see_seq(node, event.inc, event.seq)
+        inc = self.see_seq(node, event.inc, event.seq, source)
         if isinstance(event, Heartbeat) and event.dropped > inc.dropped:
             inc.dropped = event.dropped
 
-    def see_seq(self, node: str, inc: int, seq: int) -> _Incarnation:
+    def see_seq(self, node: str, inc: int, seq: int, source: int = 0) -> _Incarnation:
         """`see` for an event known by its (inc, seq) alone (not a heartbeat)."""
-        key = (node, inc)
+        key = (source, node, inc)
         known = self._incs.get(key)
         if known is None:
             known = self._incs[key] = _Incarnation(seq)
@@ -61,6 +63,12 @@ class DamageReport:
                 self.seq_missing += seq - known.highest - 1
             known.highest = seq
         return known
+
+    def forget_source(self, source: int) -> None:
+        """`source` is read from a new position (a partition assigned again: what lies between
+        was read by another replica): where this reader comes in again is not a gap."""
+        for key in [k for k in self._incs if k[0] == source]:
+            del self._incs[key]
 
     @property
     def dropped_by_collectors(self) -> int:

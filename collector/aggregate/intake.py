@@ -90,7 +90,7 @@ def _sample(
         s = packed.checked(value)
     except _BAD:
         return False
-    stats.damage.see_seq(node, s.inc, s.seq)
+    stats.damage.see_seq(node, s.inc, s.seq, source)
     agg.add_sample(
         node,
         s.inc,
@@ -123,5 +123,5 @@ def _event(
     except _BAD:
         stats.undecodable += 1
         return
-    stats.damage.see(node, event)
+    stats.damage.see(node, event, source)
     agg.add(node, event, source=source, offset=offset, record_ts_ms=record_ts_ms)

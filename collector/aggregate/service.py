@@ -468,6 +468,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 consumer.seek(tp, start)
                 positions[tp] = start
                 aggs[tp] = Aggregator(settings.window, emitted_until_ms=meta.emitted_until_ms)
+                settings.stats.damage.forget_source(tp.partition)
 
     async def publish(outputs: Outputs, records: list[BillingRecord]) -> None:
         """Files first (cut back on restart), then records and offsets in one transaction: the
