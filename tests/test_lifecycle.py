@@ -302,6 +302,25 @@ def inode_change(lab: Lab, s: int) -> None:
     steady(lab, s, "main", [1])
 
 
+def trailing_exit_marker(lab: Lab, s: int) -> None:
+    """A CUDA probe (pid 2) initialises the library after the trainer, is seen live without a
+    host pid or memory, and exits at 3: its exit marker, all zero, is the last counted slot.
+    The trainer frees to 1 GiB at 20 and exits at 30; nothing starts after it (a finished
+    Job). The count is taken for garbled, yet both exits are read in slots below it."""
+    if s == 0:
+        c = lab.container("main", devices=1)
+        lab.spawn(c, 1, 4001)
+        lab.set_data(c, 1, 0, 2 * GiB)
+        c.w.add_process(2, 0)
+    c = lab.ctrs["main"]
+    if s == 3:
+        c.w.exit(2)
+    if s == 20:
+        lab.set_data(c, 1, 0, 1 * GiB)
+    if s == 30:
+        c.w.exit(1)
+
+
 FIXED: dict[str, tuple[Script, bool]] = {  # name -> (script, with a host /proc)
     "restart_zeroed": (restart_zeroed, False),
     "restart_truncated_late": (restart_truncated_late, False),
@@ -314,6 +333,7 @@ FIXED: dict[str, tuple[Script, bool]] = {  # name -> (script, with a host /proc)
     "host_pid_lag": (host_pid_lag(60), True),
     "host_pid_lookup_timeout": (host_pid_lag(None), True),
     "garbled_count": (garbled_count, False),
+    "trailing_exit_marker": (trailing_exit_marker, False),
 }
 PASSING: dict[str, tuple[Script, bool]] = {
     "pid_reuse": (pid_reuse, False),

@@ -199,18 +199,18 @@ def diff(
     # A slot left out as torn_read is still there: the process last seen in it has not exited
     # (nor lost its rows), while every other process's exit goes out as usual. A garbled
     # proc_num shows the slots up to the first empty one, and maybe stale ones beyond the real
-    # end: no process starts or exits on its word.
+    # end: no process starts on its word, and none last seen beyond that slot exits.
     torn = any(a.kind == "torn_read" for a in snap.anomalies)
-    garbled = any(a.kind == "proc_num_out_of_range" for a in snap.anomalies)
+    garbled = [a for a in snap.anomalies if a.kind == "proc_num_out_of_range"]
     if garbled:
         procs = {pk: rows for pk, rows in procs.items() if pk in st.procs}
-    partial = torn or garbled
+    partial = torn or bool(garbled)
 
     announce = policy == "folder" or bool(procs) or bool(st.procs)
     restate = _identity(st, snap, stamp, events, announce=announce, again=again) or st.restate
     _report_anomalies(st, anomalies, stamp, events)
 
-    held = set(st.procs) if garbled else _held(st, snap)
+    held = _held(st, snap) | _beyond_the_count(st, garbled)
     gone = st.procs - procs.keys() - held
     for pk in sorted(gone):
         events.append(stamp(ProcessExited, cid=st.cid, pid=pk[0], hostpid=pk[1]))
@@ -321,6 +321,21 @@ def _held(st: FileState, snap: Snapshot) -> set[ProcKey]:
     slots = {a.slot for a in torn if not a.value}
     pids = {a.value for a in torn if a.value}
     return {pk for pk in st.procs if pk[0] in pids or st.slots.get(pk) in slots}
+
+
+def _beyond_the_count(st: FileState, garbled: list[Anomaly]) -> set[ProcKey]:
+    """Known processes a garbled count may hide: last seen beyond its first empty slot (what
+    lies there is not read). One last seen below or in that slot and not live there now has
+    exited: compaction only moves processes down, and an all-zero slot is an exit marker (a
+    process that ended before it had a host pid or memory leaves one, also as the last counted
+    slot, which is what makes the count look garbled). A count outside 0..1024 says nothing
+    of where the contents end: every known process is held."""
+    if not garbled:
+        return set()
+    first_empty = min((a.slot for a in garbled if a.slot is not None), default=None)
+    if first_empty is None:
+        return set(st.procs)
+    return {pk for pk in st.procs if st.slots.get(pk, -1) > first_empty}
 
 
 def _report_anomalies(
