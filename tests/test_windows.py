@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from collector.aggregate.records import BillingRecord, make_record_id
 from collector.aggregate.windows import Aggregator, WindowSettings
+from collector.aggregate.windows.incarnations import DEDUP_WINDOW, Incarnations
 from collector.events import (
     ContainerAppeared,
     ContainerGone,
@@ -454,6 +455,15 @@ def test_duplicate_far_behind_the_newest_sequence_is_dropped() -> None:
     agg.add("n1", UsageSample(1, c.inc, 20_000, 1_000, 1, [row(1, 5)]))
     agg.add("n1", UsageSample(1, c.inc, 5_000, 1_000, 1, [row(1, 5)]))  # never seen, but old
     assert agg.stats.duplicates == 1
+
+
+def test_a_seq_exactly_the_window_behind_and_never_seen_is_admitted() -> None:
+    """More than DEDUP_WINDOW behind is a redelivery; exactly DEDUP_WINDOW behind is not."""
+    incs = Incarnations()
+    assert incs.admit("n1", 1, 20_000, 0)
+    assert incs.admit("n1", 1, 20_000 - DEDUP_WINDOW, 0)
+    assert not incs.admit("n1", 1, 20_000 - DEDUP_WINDOW, 0)  # now seen
+    assert not incs.admit("n1", 1, 20_000 - DEDUP_WINDOW - 1, 0)
 
 
 def test_future_events_are_dropped_and_counted() -> None:
@@ -1241,3 +1251,56 @@ def test_two_collectors_under_one_node_name_bill_only_the_newest() -> None:
     )
     assert "billing only the newest, 5" in conflict.line()
     assert agg.conflicts() == []  # each pair once
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["before-the-newer", "after-the-newer"])
+def test_an_overlapping_heartbeat_of_three_containers_is_one_event(before: bool) -> None:
+    """Whether it arrives before or after the newer collector's first event, the older one's
+    heartbeat at 12 s is one event left out, not one per container it states."""
+    old, new = Collector(inc=111), Collector(inc=5)
+    pods = [(1, "pod-a"), (2, "pod-b"), (3, "pod-c")]
+    events: list[Event] = [old.appeared(0, cid=c, pod=p) for c, p in pods]
+    events.append(old.heartbeat(1_000, *(state(c, row(c, 100), pod=p) for c, p in pods)))
+    hb = old.heartbeat(12_000, *(state(c, row(c, 700), pod=p) for c, p in pods))
+    first = [new.appeared(10_000, cid=9, pod="pod-z"), new.sample(10_000, row(1, 5), cid=9)]
+    events += [hb, *first] if before else [*first, hb]
+    events += [new.sample(30_000, row(1, 5), cid=9), new.gone(50_000, cid=9)]
+    records, agg = run(events)
+    assert (agg.stats.overlapping_events, agg.stats.node_conflicts) == (1, 1)
+    assert sum(r.memory_byte_seconds for r in records) == 3 * 100 * 9 + 5 * 40
+
+
+def test_two_collectors_starting_in_the_same_millisecond_bill_one() -> None:
+    """Neither first event is later: the larger inc is taken for the newer, and the pair is
+    flagged (both were billed in full, unflagged)."""
+    a, b = Collector(inc=111), Collector(inc=222)
+    events: list[Event] = []
+    for t in range(0, 300_000, 30_000):
+        events.append(a.heartbeat(t, state(1, row(1, 100), pod="pod-a")))
+        events.append(b.heartbeat(t, state(1, row(1, 900), pod="pod-b")))
+    records, agg = run(events)
+    assert {r.pod_uid for r in records if r.memory_byte_seconds} == {"pod-b"}
+    assert agg.stats.node_conflicts == 1
+
+
+def test_a_forgotten_older_collector_redelivered_never_takes_the_node_over() -> None:
+    """A overlaps B for one heartbeat (110 s, after B's start at 100 s), stops, and is
+    forgotten; that heartbeat is redelivered at 610 s (a spool sent again). B, still running,
+    stays billed to the end; A's event is left out as overlap."""
+    a, b = Collector(inc=111), Collector(inc=222)
+    events: list[Event] = [
+        a.heartbeat(t, state(1, row(1, 100), pod="pod-a")) for t in range(0, 100_000, 30_000)
+    ]
+    events.append(b.heartbeat(100_000, state(1, row(1, 900), pod="pod-b")))
+    overlap = a.heartbeat(110_000, state(1, row(1, 100), pod="pod-a"))
+    events.append(overlap)
+    reference = list(events)
+    for t in range(130_000, 1_200_000, 30_000):
+        events.append(b.heartbeat(t, state(1, row(1, 900), pod="pod-b")))
+        reference.append(events[-1])
+        if t == 610_000:
+            events.append(overlap)
+    want, _ = run(reference)
+    got, agg = run(events)
+    assert got == want
+    assert (agg.stats.overlapping_events, agg.stats.node_conflicts) == (2, 1)

@@ -302,7 +302,8 @@ class Aggregator:
         if len(kept) < len(tr.pending):
             newer = self._incs.successor(tr.node, tr.inc)[1]
             assert newer is not None
-            self._guard.overlapped(tr.node, tr.inc, newer, cut, len(tr.pending) - len(kept))
+            left_out = {e[2] for e in tr.pending if e[1] >= cut}
+            self._guard.overlapped(tr.node, tr.inc, newer, cut, left_out)
             tr.pending = kept
         closed = self._closed
         eff = cut if closed is None or cut >= closed else closed

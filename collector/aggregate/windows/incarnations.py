@@ -3,23 +3,28 @@
 Duplicates
 ----------
 (node, inc, seq) identifies an event. Per (node, inc) the aggregator keeps the highest seq seen
-and the set of seqs above `highest - DEDUP_WINDOW` (10 000). An event seen before is dropped and
+and the set of seqs from `highest - DEDUP_WINDOW` (10 000) on. An event seen before is dropped and
 counted in `stats.duplicates`; so is an event more than `DEDUP_WINDOW` sequence numbers behind the
 newest of its incarnation (that far behind it is a redelivery, not reordering). The state of an
 incarnation is forgotten once a newer one exists, it has no containers left, and its last event
 is more than max_gap + lateness + one window behind the closed end; a redelivery after that is
-no longer recognised (it is then late, or an event of a container that is not named).
+no longer recognised (it is then late, or an event of a container that is not named), but the
+node remembers the last `FORGOTTEN_PER_NODE` incarnations it forgot: one that comes back is the
+oldest of the node, never the newest (a redelivered event of a collector that overlapped a newer
+one would otherwise take the node over from the collector still running).
 
 Supersession
 ------------
 A collector restart starts a new `inc` on the same node, and the old one never says goodbye. The
-first event of a newer incarnation (one whose first event time is later) ends every container of
-the older ones of that node at that time: `Incarnations.cut` gives that time, the window close
-puts it on the old containers' timelines.
+first event of a newer incarnation (one whose first event time is later; of two that began in the
+same millisecond, the larger `inc`) ends every container of the older ones of that node at that
+time: `Incarnations.cut` gives that time, the window close puts it on the old containers'
+timelines.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Final
 
 from .settings import NEVER
@@ -27,6 +32,7 @@ from .settings import NEVER
 __all__ = ["DEDUP_WINDOW", "Incarnation", "Incarnations"]
 
 DEDUP_WINDOW: Final = 10_000
+FORGOTTEN_PER_NODE: Final = 64
 
 
 class Incarnation:
@@ -44,11 +50,11 @@ class Incarnation:
 
     def prune(self) -> None:
         low = self.hwm - DEDUP_WINDOW
-        self.seqs = {s for s in self.seqs if s > low}
+        self.seqs = {s for s in self.seqs if s >= low}
 
     def seen_before(self, seq: int) -> bool:
         """For a seq at or below the highest one (the caller handles the common case)."""
-        if seq <= self.hwm - DEDUP_WINDOW or seq in self.seqs:
+        if seq < self.hwm - DEDUP_WINDOW or seq in self.seqs:
             return True
         self.seqs.add(seq)
         return False
@@ -57,11 +63,12 @@ class Incarnation:
 class Incarnations:
     """Every incarnation the aggregator knows, by (node, inc) and grouped by node."""
 
-    __slots__ = ("_by_node", "_incs", "several")
+    __slots__ = ("_by_node", "_forgotten", "_incs", "several")
 
     def __init__(self) -> None:
         self._incs: dict[tuple[str, int], Incarnation] = {}
         self._by_node: dict[str, dict[int, Incarnation]] = {}
+        self._forgotten: dict[str, deque[int]] = {}  # per node, the incarnations last forgotten
         # Nodes with more than one incarnation: only their events can be cut or overlap, so the
         # per-event checks ask this set first.
         self.several: set[str] = set()
@@ -72,6 +79,8 @@ class Incarnations:
         incarnation = self._incs.get((node, inc))
         if incarnation is None:
             incarnation = self._incs[(node, inc)] = Incarnation()
+            if inc in self._forgotten.get(node, ()):
+                incarnation.first_ts = -NEVER  # back after it was forgotten: the oldest
             incs = self._by_node.setdefault(node, {})
             incs[inc] = incarnation
             if len(incs) > 1:
@@ -103,11 +112,12 @@ class Incarnations:
         mine = incs.get(inc)
         if mine is None:
             return NEVER, None
-        cut, newer = NEVER, None
+        me = (mine.first_ts, inc)
+        cut, newer = (NEVER, 0), None
         for other_inc, other in incs.items():
-            if mine.first_ts < other.first_ts < cut:
-                cut, newer = other.first_ts, other_inc
-        return cut, newer
+            if me < (other.first_ts, other_inc) < cut:
+                cut, newer = (other.first_ts, other_inc), other_inc
+        return cut[0], newer
 
     def prune(self, live: set[tuple[str, int]], horizon: int) -> None:
         """Forget the older incarnations with no containers (`live` has those that have one)
@@ -119,5 +129,9 @@ class Incarnations:
                     if incs[inc].last_ts < horizon:
                         del incs[inc]
                         del self._incs[(node, inc)]
+                        forgotten = self._forgotten.setdefault(
+                            node, deque(maxlen=FORGOTTEN_PER_NODE)
+                        )
+                        forgotten.append(inc)
                 if len(incs) < 2:
                     self.several.discard(node)

@@ -44,7 +44,7 @@ class NodeConflict:
 
 
 class NodeGuard:
-    __slots__ = ("_flagged", "_incs", "_new", "_who", "stats")
+    __slots__ = ("_counted", "_flagged", "_incs", "_new", "_who", "stats")
 
     def __init__(self, incs: Incarnations, stats: AggregateStats) -> None:
         self._incs = incs
@@ -52,6 +52,9 @@ class NodeGuard:
         self._who: dict[tuple[str, int], str] = {}
         self._flagged: set[tuple[str, int, int]] = set()
         self._new: list[NodeConflict] = []
+        # Per (node, inc): the seqs already counted as overlap (an event is on the timeline of
+        # each container it states: a heartbeat of three containers is one event, not three).
+        self._counted: dict[tuple[str, int], set[int]] = {}
 
     def announce(self, node: str, event: CollectorStarted) -> None:
         self._who[(node, event.inc)] = f"host {event.host} pid {event.pid} log {event.log}"
@@ -62,11 +65,18 @@ class NodeGuard:
         cut, newer = self._incs.successor(node, inc)
         if newer is None or ts < cut:
             return False
-        self.overlapped(node, inc, newer, cut, 1)
+        self._flag(node, inc, newer, cut)
+        self.stats.overlapping_events += 1
         return True
 
-    def overlapped(self, node: str, inc: int, newer: int, since_ms: int, events: int) -> None:
-        self.stats.overlapping_events += events
+    def overlapped(self, node: str, inc: int, newer: int, since_ms: int, seqs: set[int]) -> None:
+        """Events `seqs` of (node, inc), admitted before the newer one was seen, are left out."""
+        counted = self._counted.setdefault((node, inc), set())
+        self.stats.overlapping_events += len(seqs - counted)
+        counted |= seqs
+        self._flag(node, inc, newer, since_ms)
+
+    def _flag(self, node: str, inc: int, newer: int, since_ms: int) -> None:
         key = (node, inc, newer)
         if key in self._flagged:
             return
