@@ -31,9 +31,11 @@ from streams import (
     recent_t0,
     reference,
 )
+from test_windows import Collector, row, state
 
-from collector.aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED
+from collector.aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED, DamageReport
 from collector.aggregate.records import iso_utc
+from collector.events import Event
 from collector.replay import missing_history
 from collector.transport.locallog import LocalLog, LogReader
 
@@ -211,6 +213,28 @@ def test_what_counts_as_history_deleted() -> None:
     assert missing_history(500, 500, None, 1_000) == 500  # everything deleted
     assert missing_history(500, 700, 2_000, 1_000) == 0  # older records kept: seen again
     assert missing_history(500, 700, None, 1_000) == 0  # all kept is older than the start
+
+
+def test_the_lost_head_of_an_incarnation_begun_after_the_reader_came_in_is_a_gap() -> None:
+    """A collector restarts on a full disk: its first 5 events (CollectorStarted among them)
+    are dropped. A reader that read the node before it began saw where it began: a gap of 5,
+    as for 5 events lost in the middle. A reader that comes in on the new incarnation alone
+    cannot tell, and a node first read in another source is a different reader's start."""
+
+    def damage(*runs: tuple[int, list[Event]]) -> tuple[int, int]:
+        report = DamageReport()
+        for source, events in runs:
+            for e in events:
+                report.see("n1", e, source)
+        return report.seq_gaps, report.seq_missing
+
+    a, b = Collector(inc=111), Collector(inc=222)
+    old = [a.heartbeat(t, state(1, row(1, 100))) for t in range(0, 300_000, 30_000)]
+    new = [b.heartbeat(t, state(1, row(1, 100))) for t in range(300_000, 600_000, 30_000)]
+    assert damage((0, old + new[5:])) == (1, 5)
+    assert damage((0, old + new[:2] + new[7:])) == (1, 5)
+    assert damage((0, new[5:])) == (0, 0)
+    assert damage((0, old), (1, new[5:])) == (0, 0)
 
 
 def test_dropped_events_are_seq_gaps(tmp_path: Path, stream: list[Msg]) -> None:

@@ -7,6 +7,8 @@ What a consumer (aggregate, replay, demo) can tell about its input besides the e
   collector (its heartbeats say how many: `dropped`), or lost on the way. The first seq seen of
   an incarnation is where this reader came in, not a gap; so is the first one after a partition
   was assigned to this reader again (`forget_source`: another replica read what lies between).
+  But an incarnation of a node this reader already read from that source began after it came
+  in: seqs below its first one seen were lost (a collector restarted on a full disk).
 * from the local log: damaged frames passed over, deleted segments, records skipped, and a torn
   tail (the newest segment ends inside a frame and stays that way).
 
@@ -44,6 +46,7 @@ class DamageReport:
     seq_missing: int = 0  # events missing in those gaps
     # (source, node, inc): a node's events are in one source, read in its order
     _incs: dict[tuple[int, str, int], _Incarnation] = field(default_factory=dict)
+    _nodes: set[tuple[int, str]] = field(default_factory=set)  # (source, node) read so far
 
     def see(self, node: str, event: Event, source: int = 0) -> None:
         """Every decoded event, in the order of its partition (duplicates included)."""
@@ -57,6 +60,10 @@ class DamageReport:
         known = self._incs.get(key)
         if known is None:
             known = self._incs[key] = _Incarnation(seq)
+            if seq > 0 and (source, node) in self._nodes:
+                self.seq_gaps += 1  # it began after this reader came in: its head was lost
+                self.seq_missing += seq
+            self._nodes.add((source, node))
         elif seq > known.highest:
             if seq > known.highest + 1:
                 self.seq_gaps += 1
@@ -69,6 +76,7 @@ class DamageReport:
         was read by another replica): where this reader comes in again is not a gap."""
         for key in [k for k in self._incs if k[0] == source]:
             del self._incs[key]
+        self._nodes = {k for k in self._nodes if k[0] != source}
 
     @property
     def dropped_by_collectors(self) -> int:
