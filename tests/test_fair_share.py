@@ -16,6 +16,7 @@ from collector.aggregate.records import BillingRecord
 from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.aggregate.windows.allocate import POLICIES, Policy, fit, observed_ms
 from collector.events import (
+    MAX_BYTES,
     ContainerAppeared,
     ContainerGone,
     ContainerState,
@@ -206,6 +207,88 @@ def test_usage_policy_bills_measured_sm_time() -> None:
     assert used["pod-1"] == 0 or sum(used.values())  # used is there whatever the policy
     assert sum(ms(r.used_gpu_seconds) for r in cores if r.pod_uid == "pod-1") == HOUR // 5
     assert sum(ms(r.allocated_gpu_seconds) for r in cores if r.pod_uid == "pod-1") == HOUR // 2
+
+
+def window_0(records: list[BillingRecord]) -> list[tuple[str, str, int, int, int, int, bool]]:
+    """(kind, pod, observed, allocated, used, reserved-idle ms, overcommitted) of [0, 60 s)."""
+    return [
+        (
+            r.kind,
+            r.pod_uid,
+            ms(r.observed_seconds),
+            ms(r.allocated_gpu_seconds),
+            ms(r.used_gpu_seconds),
+            ms(r.reserved_idle_gpu_seconds),
+            r.overcommitted,
+        )
+        for r in records
+        if r.window_start_ms == 0
+    ]
+
+
+def test_usage_policy_flags_uses_scaled_down_to_the_observed_time() -> None:
+    # two containers each holding 60 GiB of an 80 GiB GPU for the whole window, SM idle: each
+    # used 60 x 60 / 80 = 45 s, 90 s in all of a GPU observed 60 s, so both are scaled to 30 s
+    n = Node()
+    events: list[Event] = [n.appeared(0, c, [DeviceLimit(0, "GPU-A", 80 * GiB, 0)]) for c in (1, 2)]
+    for t in range(0, 60_000, 10_000):
+        events.append(n.inventory(t, [("GPU-A", 80 * GiB)]))
+        events += [n.sample(t, c, UsageRow(c, c, 0, 60 * GiB, 0, 0, 0, 0, 0)) for c in (1, 2)]
+    events += [n.gone(60_000, c) for c in (1, 2)]
+    records, agg = run(events, "usage")
+    assert window_0(records) == [
+        ("gpu", "", 60_000, 60_000, 60_000, 60_000, True),
+        ("idle", "", 0, 0, 0, 0, True),
+        ("container", "pod-1", 60_000, 30_000, 30_000, 30_000, True),
+        ("container", "pod-2", 60_000, 30_000, 30_000, 30_000, True),
+    ]
+    assert agg.stats.overcommitted == 1
+
+
+@pytest.mark.parametrize("memory_total", [-1, MAX_BYTES + 1, 1 << 62])
+def test_an_inventory_memory_no_device_has_is_refused(memory_total: int) -> None:
+    # The GPU is then without inventory: `max` falls back to `cores` (SM limit 50: 30 s), and
+    # the used time is the SM time alone (10 % for 60 s: 6 s).
+    n = Node()
+    events: list[Event] = [
+        n.inventory(0, [("GPU-A", memory_total)]),
+        n.appeared(0, 1, [DeviceLimit(0, "GPU-A", 8 * GiB, 50)]),
+    ]
+    events += [
+        n.sample(t, 1, UsageRow(1, 1, 0, GiB, 0, 0, 0, 0, 10)) for t in range(0, 60_000, 10_000)
+    ]
+    events.append(n.gone(60_000, 1))
+    records, agg = run(events, "max")
+    assert window_0(records) == [
+        ("gpu", "", 60_000, 30_000, 6_000, 0, False),
+        ("idle", "", 0, 30_000, 54_000, 0, False),
+        ("container", "pod-1", 60_000, 30_000, 6_000, 0, False),
+    ]
+    assert {(r.gpu_model, r.gpu_memory_bytes) for r in records} == {("", 0)}
+    assert (agg.stats.refused_values, agg.stats.refused_records) == (1, 0)
+    assert agg.stats.allocation_fallbacks == 1
+
+
+def test_one_gpu_listed_twice_by_a_container_is_observed_once() -> None:
+    # Two slices of GPU-A (8 GiB, 30 % each), each with a process at 1 GiB and 10 % SM: the
+    # slices add up (limit 16 GiB, 60 % = 36 s, SM 20 % = 12 s used), the presence does not.
+    n = Node()
+    slices = [DeviceLimit(0, "GPU-A", 8 * GiB, 30), DeviceLimit(1, "GPU-A", 8 * GiB, 30)]
+    events: list[Event] = [n.inventory(0, [("GPU-A", 80 * GiB)]), n.appeared(0, 1, slices)]
+    for t in range(0, 60_000, 10_000):
+        rows = [UsageRow(1, 1, d, GiB, 0, 0, 0, 0, 10) for d in (0, 1)]
+        events.append(n.sample(t, 1, *rows))
+    events.append(n.gone(60_000, 1))
+    records, _ = run(events, "cores")
+    assert window_0(records) == [
+        ("gpu", "", 60_000, 36_000, 12_000, 0, False),
+        ("idle", "", 0, 24_000, 48_000, 0, False),
+        ("container", "pod-1", 60_000, 36_000, 12_000, 0, False),
+    ]
+    (c,) = [r for r in records if r.kind == "container"]
+    assert c.memory_limit_byte_seconds == 16 * GiB * 60
+    assert c.memory_byte_seconds == 2 * GiB * 60
+    assert c.sm_limit_percent_seconds == 60 * 60
 
 
 def test_fit_and_observed() -> None:

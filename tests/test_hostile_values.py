@@ -88,6 +88,22 @@ def test_an_impossible_limit_is_billed_as_none_and_counted() -> None:
     assert agg.stats.refused_values == 1
 
 
+def test_an_impossible_sm_limit_zeroes_the_memory_limit_gauge_too() -> None:
+    """The gauge shows the limit the records bill: none, before and after it is integrated."""
+    c = Collector()
+    agg = Aggregator(S)
+    devices = [dev(0, limit=8 << 30, sm=20_000), dev(1, limit=4 << 30, sm=50)]
+    agg.add("n1", c.appeared(0, devices=devices))
+    agg.add("n1", c.sample(1_000, row(1, 5)))
+    limits = [("GPU-0", 0), ("GPU-1", 4 << 30)]
+    assert [(g.device_uuid, g.memory_limit_bytes) for g in agg.gauges()] == limits  # pending
+    agg.add("n1", c.sample(200_000, row(1, 5)))
+    agg.advance()
+    agg.add("n1", c.sample(200_500, row(1, 5)))
+    assert [(g.device_uuid, g.memory_limit_bytes) for g in agg.gauges()] == limits  # integrated
+    assert agg.stats.refused_values == 1
+
+
 def test_a_record_beyond_the_bounds_is_refused_not_built() -> None:
     """Bounded rows can still add up past 2**63 - 1 milli-units in a long enough window."""
     wide = WindowSettings(window_ms=1 << 40, max_gap_ms=1 << 40)

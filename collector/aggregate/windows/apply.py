@@ -53,6 +53,7 @@ __all__ = [
     "learn",
     "node_rows",
     "apply_rows",
+    "limits_ok",
     "set_limits",
     "state",
 ]
@@ -63,6 +64,11 @@ def row_ok(r: UsageRow) -> bool:
     return (
         0 <= r.total <= MAX_BYTES and 0 <= r.monitor <= MAX_BYTES and 0 <= r.sm_util <= MAX_PERCENT
     )
+
+
+def limits_ok(x: DeviceLimit) -> bool:
+    """Both of the device's limits are within what a device can have; else neither is billed."""
+    return 0 <= x.limit_bytes <= MAX_BYTES and 0 <= x.sm_limit <= MAX_PERCENT
 
 
 def apply(ig: Integrator, tr: Track, e: Entry) -> None:
@@ -317,7 +323,7 @@ def set_limits(ig: Integrator, tr: Track, devices: list[DeviceLimit], t: int, of
         dev.uuid = x.uuid
         dev.limit = x.limit_bytes
         dev.sm_limit = x.sm_limit
-        if not (0 <= x.limit_bytes <= MAX_BYTES and 0 <= x.sm_limit <= MAX_PERCENT):
+        if not limits_ok(x):
             # A limit no device has: its usage is still attributed, the limit billed as 0.
             ig.stats.refused_values += 1
             dev.limit = dev.sm_limit = 0

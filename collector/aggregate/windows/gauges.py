@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ...events import (
-    MAX_BYTES,
     ContainerAppeared,
     ContainerGone,
     ContainerRun,
@@ -16,7 +15,7 @@ from ...events import (
     UsageSample,
 )
 from ..records import Gauge
-from .apply import row_ok
+from .apply import limits_ok, row_ok
 from .progress import Progress
 from .settings import NEVER
 from .state import Supersede, Track, unpacked
@@ -62,10 +61,7 @@ def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]
             if isinstance(p, ContainerAppeared | ContainerState | LimitsChanged) and (
                 ts >= limits_ts
             ):
-                table = {
-                    x.index: (x.uuid, x.limit_bytes if 0 <= x.limit_bytes <= MAX_BYTES else 0)
-                    for x in p.devices
-                }
+                table = {x.index: (x.uuid, x.limit_bytes if limits_ok(x) else 0) for x in p.devices}
                 limits_ts = ts
             if isinstance(p, UsageSample | ContainerState):
                 for r in p.rows:

@@ -3,7 +3,9 @@
 An inventory is a statement at its ts, held like a sample: a window [ws, we) uses the latest
 statement of the GPU with `ws - max_gap_ms <= ts < we`. The collector restates its inventory
 with every heartbeat, so a replay that starts `max_gap_ms` before its first window sees the
-statements the live run used, and gives the same records.
+statements the live run used, and gives the same records. A GPU stated with a memory total
+outside [0, MAX_BYTES] is left out of that statement (counted in `refused_values` by the caller),
+so a window without another statement of it has no inventory for it.
 
 Only what a window still open can use is kept: per GPU, the latest statement before the closed
 end (if it is not older than `max_gap_ms`), and every later one. A restart reads those again
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from ...events import DeviceInventory
+from ...events import MAX_BYTES, DeviceInventory
 from .checkpoint import earliest
 
 __all__ = ["GpuModel", "Inventory"]
@@ -33,13 +35,20 @@ class Inventory:
         self._gap = max_gap_ms
         self._gpus: dict[tuple[str, str], list[_Statement]] = {}
 
-    def state(self, node: str, event: DeviceInventory, source: int, offset: int) -> None:
+    def state(self, node: str, event: DeviceInventory, source: int, offset: int) -> int:
+        """Keep the event's statements; returns how many GPUs it stated with a memory total no
+        device has (outside [0, MAX_BYTES]): those are left out, as if not stated."""
         ts = event.ts
+        refused = 0
         for g in event.devices:
+            if not 0 <= g.memory_total <= MAX_BYTES:
+                refused += 1
+                continue
             insort(
                 self._gpus.setdefault((node, g.uuid), []),
                 (ts, g.name, g.memory_total, source, offset),
             )
+        return refused
 
     def lookup(self, node: str, uuid: str, ws: int, we: int) -> GpuModel | None:
         best: GpuModel | None = None

@@ -3,9 +3,11 @@ and per GPU the fair-share allocation of its observed time (`allocate`).
 
 Groups that map to the same row (node, pod_uid, container, device_uuid) in one window are added
 up (integrals, samples, observed time, present time per limits); the peak is the largest of
-theirs. Integrals are exact integers in milli-units until the record is built. Each container
-row is named by its pod's identity for that window (`identity`); a row without one is counted
-in `unnamed_records`.
+theirs. A container whose device table lists one UUID at several indices holds each of those
+slices (their limits, shares and usage add up), but is present on that GPU once: its observed
+time counts once per row. Integrals are exact integers in milli-units until the record is
+built. Each container row is named by its pod's identity for that window (`identity`); a row
+without one is counted in `unnamed_records`.
 
 A GPU (node, device_uuid) is observed in a window while a named container that lists it is
 present or its node row has a live key: the union of those intervals. It gets one `gpu` and one
@@ -101,6 +103,7 @@ class Output:
         per_device = tr.uuids is not None  # a node row is observed while its key is live
         out = self._rows
         gpus = self._gpus
+        counted: set[RowKey] = set()  # the track's presence counts once per row
         for d in tr.devs.values():
             if per_device:
                 obs = d.cov
@@ -120,7 +123,11 @@ class Output:
                 if d.peak > row.peak:
                     row.peak = d.peak
                 row.samples += d.samples
-                row.obs += obs
+                if key not in counted:  # one UUID at two indices is still one GPU's time
+                    counted.add(key)
+                    row.obs += obs
+                    if ivs:
+                        gpus.setdefault((ws, tr.node, d.uuid), []).extend(ivs)
                 shares = row.shares
                 for lk, ms in d.shares.items():
                     shares[lk] = shares.get(lk, 0) + ms
@@ -128,8 +135,6 @@ class Output:
                 for lk, ms in d.ishares.items():
                     ishares[lk] = ishares.get(lk, 0) + ms
                 row.imem += d.imem
-                if ivs:
-                    gpus.setdefault((ws, tr.node, d.uuid), []).extend(ivs)
             d.reset_window()
 
     def records(self) -> list[BillingRecord]:
@@ -165,9 +170,9 @@ class Output:
             self._stats.allocation_fallbacks += 1
         ctrs = [k for k in keys if k[2]]  # node rows (empty pod_uid) are allocated nothing
         used_raw = [used_ms(out[k].sm, out[k].mem, memory) for k in ctrs]
-        used, _ = fit(used_raw, observed)
+        used, used_over = fit(used_raw, observed)
         if policy == "usage":
-            alloc, over, raw = list(used), False, used_raw
+            alloc, over, raw = list(used), used_over, used_raw
             idle_raw = [used_ms(0, out[k].imem, memory) for k in ctrs]
         else:
             raw = [allocated_ms(policy, out[k].shares, memory) for k in ctrs]
