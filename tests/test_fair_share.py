@@ -245,6 +245,13 @@ def test_usage_policy_flags_uses_scaled_down_to_the_observed_time() -> None:
     assert agg.stats.overcommitted == 1
 
 
+def until_gone(
+    n: Node, events: list[Event], policy: Policy
+) -> tuple[list[BillingRecord], Aggregator]:
+    """`events`, then container 1 gone at 60 s, windowed under `policy`."""
+    return run([*events, n.gone(60_000, 1)], policy)
+
+
 @pytest.mark.parametrize("memory_total", [-1, MAX_BYTES + 1, 1 << 62])
 def test_an_inventory_memory_no_device_has_is_refused(memory_total: int) -> None:
     # The GPU is then without inventory: `max` falls back to `cores` (SM limit 50: 30 s), and
@@ -257,8 +264,7 @@ def test_an_inventory_memory_no_device_has_is_refused(memory_total: int) -> None
     events += [
         n.sample(t, 1, UsageRow(1, 1, 0, GiB, 0, 0, 0, 0, 10)) for t in range(0, 60_000, 10_000)
     ]
-    events.append(n.gone(60_000, 1))
-    records, agg = run(events, "max")
+    records, agg = until_gone(n, events, "max")
     assert window_0(records) == [
         ("gpu", "", 60_000, 30_000, 6_000, 0, False),
         ("idle", "", 0, 30_000, 54_000, 0, False),
@@ -278,8 +284,7 @@ def test_one_gpu_listed_twice_by_a_container_is_observed_once() -> None:
     for t in range(0, 60_000, 10_000):
         rows = [UsageRow(1, 1, d, GiB, 0, 0, 0, 0, 10) for d in (0, 1)]
         events.append(n.sample(t, 1, *rows))
-    events.append(n.gone(60_000, 1))
-    records, _ = run(events, "cores")
+    records, _ = until_gone(n, events, "cores")
     assert window_0(records) == [
         ("gpu", "", 60_000, 36_000, 12_000, 0, False),
         ("idle", "", 0, 24_000, 48_000, 0, False),
