@@ -340,16 +340,59 @@ def test_demo_duration_is_bounded(tmp_path: Path) -> None:
         ["collect", "--root", "{root}", "--log", "{log}", "--kafka-password=s3cret-value"],
         ["collect", "--root", "{root}", "--log", "{log}", "--kafka-pass", "s3cret-value"],
         ["aggregate", "--log", "{log}", "--drain", "s3cret-value"],
+        ["topics", "--kafka", "127.0.0.1:9", "--kafka-password", "-s3cret-value"],
     ],
 )
 def test_a_secret_given_to_an_option_that_does_not_exist_is_never_echoed(
     paths: dict[str, str], tmp_path: Path, args: list[str]
 ) -> None:
     proc = run(*(a.format(**paths) for a in args), cwd=tmp_path)
-    unknown = [a.partition("=")[0] for a in args[3:] if a.startswith("--kafka-pass")]
+    unknown = [a.partition("=")[0] for a in args[2:] if a.startswith("--kafka-pass")]
     shown = " ".join(unknown) or "(values not shown)"
     assert_one_line(proc, f"hami-usage: unrecognized arguments: {shown}")
     assert "s3cret" not in proc.stderr
+
+
+def test_a_secret_where_the_subcommand_goes_is_never_echoed(tmp_path: Path) -> None:
+    proc = run("--kafka-password", "s3cret-value", "topics", "--kafka", "127.0.0.1:9", cwd=tmp_path)
+    assert_one_line(
+        proc,
+        "hami-usage: argument command: invalid choice (choose from 'inspect', 'simulate', "
+        "'collect', 'aggregate', 'replay', 'demo', 'topics', 'decode', 'report', 'schema')",
+    )
+    assert "s3cret" not in proc.stderr
+
+
+def test_an_encrypted_client_key_is_one_line_not_a_passphrase_prompt(tmp_path: Path) -> None:
+    """OpenSSL asks for the passphrase on the terminal when nothing answers for it: with one
+    the command hung, without one it printed the prompt and a misleading reason."""
+    cert, key = tmp_path / "client.pem", tmp_path / "client.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-keyout", str(key), "-out",
+         str(cert), "-subj", "/CN=client", "-days", "1", "-passout", "pass:s3cret-value"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    proc = run(
+        "topics", "--kafka", "127.0.0.1:9", "--kafka-security-protocol", "SSL",
+        "--kafka-cert-file", str(cert), "--kafka-key-file", str(key), cwd=tmp_path,
+    )  # fmt: skip
+    assert_one_line(
+        proc, "hami-usage topics: kafka_key_file is encrypted: give an unencrypted PEM key"
+    )
+
+
+def test_a_password_file_and_a_password_in_the_environment_are_one_or_the_other(
+    tmp_path: Path,
+) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret-value\n")
+    proc = run(*SASL, str(secret), cwd=tmp_path,
+               extra_env={"HAMI_USAGE_KAFKA_PASSWORD": "other-value"})  # fmt: skip
+    assert_one_line(
+        proc,
+        "hami-usage aggregate: set kafka_password_file or HAMI_USAGE_KAFKA_PASSWORD, not both",
+    )
+    assert "s3cret" not in proc.stderr and "other-value" not in proc.stderr
 
 
 SASL = [

@@ -246,32 +246,70 @@ def test_a_missing_acl_stops_the_aggregator_with_one_line(
     one_line_refusal(proc, "not authorized", "an ACL is missing")
 
 
+def collect(tmp_path: Path, names: dict[str, str], *flags: str) -> tuple[Any, Path]:
+    """A collector of an empty root sending to the usage topic, its stderr in a file."""
+    root = tmp_path / "containers"
+    root.mkdir()
+    err_path = tmp_path / "err"
+    with err_path.open("wb") as err:
+        proc = subprocess.Popen(
+            [str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(tmp_path / "spool"),
+             "--node", "n1", "--no-nvml", "--interval", "0.2", "--topic", names["usage"],
+             *flags],
+            stderr=err, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+    return proc, err_path
+
+
+def refused(proc: Any, err_path: Path) -> None:
+    """Until the running collector logs a refusal (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    while "kafka refused the collector" not in err_path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+        time.sleep(0.2)
+
+
 def test_a_refused_collector_logs_counts_and_retries(
     secure: SecureBroker, names: dict[str, str], tmp_path: Path
 ) -> None:
     """A running service does not exit: one log line per refusal kind and period, a metric,
     and its events stay spooled until the credentials are fixed."""
-    root = tmp_path / "containers"
-    root.mkdir()
-    port_file = tmp_path / "err"
-    with port_file.open("wb") as err:
-        proc = subprocess.Popen(
-            [str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(tmp_path / "spool"),
-             "--node", "n1", "--no-nvml", "--interval", "0.2", "--metrics-port", "0",
-             "--topic", names["usage"], *sasl(secure, "nobody")],
-            stderr=err, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+    proc, port_file = collect(tmp_path, names, "--metrics-port", "0", *sasl(secure, "nobody"))
     try:
-        deadline = time.monotonic() + 60
-        while "kafka refused the collector" not in port_file.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, port_file.read_text()
-            time.sleep(0.2)
+        refused(proc, port_file)
         text = port_file.read_text()
         assert "not authorized" in text and "Traceback" not in text, text
         assert proc.poll() is None  # still running, retrying
         port = int(re.findall(r"metrics on [^:\s]*:(\d+)/metrics", text)[0])
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
         assert re.search(r'hami_usage_kafka_refused_total\{reason="authorization"\} [1-9]', body)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_password_file_fixed_in_place_is_used_at_the_next_retry(
+    secure: SecureBroker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """The kubelet updates a mounted Secret in place: the collector, refused for a wrong
+    password, reads the file again at each retry (it kept the first one until restarted)."""
+    password = tmp_path / "password"
+    password.write_text("wrong-password\n")
+    flags = sasl(secure, "collector")
+    flags[flags.index("--kafka-password-file") + 1] = str(password)
+    proc, err_path = collect(tmp_path, names, "--heartbeat", "1", *flags)
+    try:
+        refused(proc, err_path)
+        assert "authentication" in err_path.read_text().lower()
+        password.write_text(secure.password_file("collector").read_text())
+        deadline = time.monotonic() + 90
+        while True:
+            got = asyncio.run(consume_plain(names["usage"], bootstrap_servers=secure.internal))
+            if got:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(1)
+        assert {m.key for m in got} == {b"n1"}
     finally:
         proc.terminate()
         proc.wait(30)

@@ -4,6 +4,7 @@ types several subcommands share. Every subcommand module declares itself as a `C
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -35,10 +36,19 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         head, _, rest = message.partition(": ")
         if head == "unrecognized arguments":
-            options = [a for a in rest.split() if a.startswith("-")]
-            shown = " ".join(a.partition("=")[0] for a in options) or "(values not shown)"
+            names = [a.partition("=")[0] for a in rest.split()]
+            shown = " ".join(n for n in names if _OPTION.fullmatch(n)) or "(values not shown)"
             message = f"{head}: {shown}"
+        elif head == "argument command":
+            # A stray value where the subcommand goes: the value of an option given before it.
+            message = _CHOICE.sub("invalid choice (choose", message)
         raise UsageError(f"{self.prog}: {message}")
+
+
+# What is shown of an unrecognised argument: a long option's name, never anything else (a value
+# typed after an option that does not exist, `-S3cret`, is not an option name).
+_OPTION = re.compile(r"--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+_CHOICE = re.compile(r"invalid choice: .*? \(choose")
 
 
 def positive(kind: Callable[[str], float], most: float = 86400.0) -> Callable[[str], float]:

@@ -63,7 +63,7 @@ def kafka_flags(p: argparse.ArgumentParser) -> None:
 
 def kafka_security(cfg: KafkaClientConfig, command: str) -> KafkaSecurity:
     """The one place settings become the Kafka clients' security; bad settings exit 2."""
-    from ..transport.security import KafkaSecurity, SecurityError, read_password
+    from ..transport.security import KafkaSecurity, SecurityError
 
     try:
         security = KafkaSecurity(
@@ -74,7 +74,8 @@ def kafka_security(cfg: KafkaClientConfig, command: str) -> KafkaSecurity:
             check_hostname=cfg.kafka_check_hostname,
             sasl_mechanism=cfg.kafka_sasl_mechanism,
             username=cfg.kafka_username,
-            password=read_password(cfg.kafka_password_file, cfg.kafka_password),
+            password=cfg.kafka_password,
+            password_file=cfg.kafka_password_file,
         )
         security.client_kwargs()  # unreadable certificate or key files: now, not at connect
     except SecurityError as exc:

@@ -48,7 +48,10 @@ class KafkaSecurity:
     check_hostname: bool = True
     sasl_mechanism: Mechanism | None = None
     username: str | None = None
-    password: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)  # from the environment
+    # Read again for every client made, as the TLS files are: a Secret fixed or rotated in
+    # place is used at the next reconnect, not at the next restart.
+    password_file: str | None = None
 
     def __post_init__(self) -> None:
         tls = self.protocol in ("SSL", "SASL_SSL")
@@ -62,8 +65,12 @@ class KafkaSecurity:
         if self.protocol == "SASL_SSL":
             if self.sasl_mechanism is None:
                 raise SecurityError("kafka_security_protocol SASL_SSL needs kafka_sasl_mechanism")
+            if self.password_file and self.password is not None:
+                raise SecurityError(
+                    "set kafka_password_file or HAMI_USAGE_KAFKA_PASSWORD, not both"
+                )
             # An empty password file (or one of only white space: a newline) is no password.
-            if not self.username or not (self.password or "").strip():
+            if not self.username or not (self.current_password() or "").strip():
                 raise SecurityError(
                     "SASL needs kafka_username and a password (kafka_password_file or "
                     "HAMI_USAGE_KAFKA_PASSWORD)"
@@ -79,7 +86,8 @@ class KafkaSecurity:
         try:
             ctx = ssl.create_default_context(cafile=self.ca_file)
             if self.cert_file and self.key_file:
-                ctx.load_cert_chain(self.cert_file, self.key_file)
+                # Without a callback OpenSSL asks for a passphrase on the terminal (the CLI hung).
+                ctx.load_cert_chain(self.cert_file, self.key_file, password=_no_passphrase)
         except (OSError, ssl.SSLError) as exc:
             raise SecurityError(f"kafka TLS files: {exc}") from None
         ctx.check_hostname = self.check_hostname
@@ -93,8 +101,12 @@ class KafkaSecurity:
         if self.protocol == "SASL_SSL":
             kwargs["sasl_mechanism"] = self.sasl_mechanism
             kwargs["sasl_plain_username"] = self.username
-            kwargs["sasl_plain_password"] = self.password
+            kwargs["sasl_plain_password"] = self.current_password()
         return kwargs
+
+    def current_password(self) -> str | None:
+        """The password as its file holds it now, else the environment's."""
+        return read_password(self.password_file, self.password)
 
     def describe(self) -> str:
         """For log lines: how this client connects, never the secret."""
@@ -103,6 +115,10 @@ class KafkaSecurity:
         if self.protocol == "SSL" and self.cert_file:
             return "SSL with a client certificate"
         return self.protocol
+
+
+def _no_passphrase() -> str:
+    raise SecurityError("kafka_key_file is encrypted: give an unencrypted PEM key")
 
 
 def read_password(path: str | None, env_value: str | None) -> str | None:
