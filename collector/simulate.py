@@ -153,26 +153,60 @@ class CacheWriter:
         else:
             self._remove(k)
 
-    def _remove(self, k: int) -> None:
-        last = self.proc_num - 1
-        if k != last:
-            C.memmove(
-                C.addressof(self.region.procs[k]),
-                C.addressof(self.region.procs[last]),
-                self.layout.slot_size,
-            )
-        self.region.proc_num = last
+    def _remove(self, k: int, *, clear: bool | None = None) -> None:
+        for _ in self._removal(k, clear=clear):
+            pass
 
-    def compact(self, dead_pids: Set[int] = frozenset()) -> None:
+    def _removal(self, k: int, *, clear: bool | None = None) -> Iterator[str]:
+        """Slot k's removal in HAMi-core's order (`clear_proc_slot_nolock` ->
+        `copy_proc_slot_atomic`), yielding after each store a reader can see on its own:
+        "count" (`proc_num` lowered, the last slot not yet moved: it is at `proc_num`, past
+        the count, with the hole still below), "identity" (pid, hostpid, seqlock, status
+        copied into the hole), "used[d]" per registered device (the hole's other devices still
+        hold what the removed process left), "copied" (the whole slot), "cleared" (the old
+        last slot zeroed). `clear`: whether the old last slot is zeroed; by default only in the
+        seqlock layouts, whose library copies and clears slots one field at a time (the older
+        `procs[k] = procs[--proc_num]` leaves a copy of the mover past the count)."""
+        if clear is None:
+            clear = self.layout.slot_seqlock is not None
+        r = self.region
+        last = self.proc_num - 1
+        r.proc_num = last
+        yield "count"
+        if k != last:
+            dst, src = r.procs[k], r.procs[last]
+            dst.pid, dst.hostpid = src.pid, src.hostpid
+            if self.layout.slot_seqlock is not None:
+                dst.seqlock = src.seqlock
+            dst.status = src.status
+            yield "identity"
+            for d in range(len(self.devices)):
+                C.memmove(C.addressof(dst.used[d]), C.addressof(src.used[d]), C.sizeof(src.used[d]))
+                yield f"used[{d}]"
+            C.memmove(C.addressof(dst), C.addressof(src), self.layout.slot_size)
+            yield "copied"
+        if clear:
+            C.memset(C.addressof(r.procs[last]), 0, self.layout.slot_size)
+            yield "cleared"
+
+    def compaction(
+        self, dead_pids: Set[int] = frozenset(), *, clear: bool | None = None
+    ) -> Iterator[str]:
         """A later process removes exit markers and slots of pids it found dead, moving the
-        last slot into each hole (so live processes can change slot index)."""
+        last slot into each hole (so live processes can change slot index). A generator of
+        `_removal`'s steps, so a test can scan between any two of them (the writer preempted
+        mid-compaction); `compact` runs it through. `clear` as for `_removal`."""
         k = 0
         while k < self.proc_num:
             pid = self.region.procs[k].pid
             if pid == 0 or pid in dead_pids:
-                self._remove(k)
+                yield from self._removal(k, clear=clear)
             else:
                 k += 1
+
+    def compact(self, dead_pids: Set[int] = frozenset(), *, clear: bool | None = None) -> None:
+        for _ in self.compaction(dead_pids, clear=clear):
+            pass
 
     # --- accounting -----------------------------------------------------------------------
 

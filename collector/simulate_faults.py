@@ -101,7 +101,9 @@ class FaultyWriter(CacheWriter):
             if pid == 0 or pid in dead_pids:
                 last = self.proc_num - 1
                 mover = self.region.procs[last].pid
-                self._remove(k)  # copies procs[last] into k and drops proc_num
+                # Copies procs[last] into k and drops proc_num, leaving procs[last] as it was:
+                # the moved process's stale pointer keeps writing it.
+                self._remove(k, clear=False)
                 if last != k and mover != 0 and mover not in dead_pids:
                     self.pointer[mover] = last
                     moved.append(mover)
@@ -109,11 +111,11 @@ class FaultyWriter(CacheWriter):
                 k += 1
         return moved
 
-    def compact(self, dead_pids: Set[int] = frozenset()) -> None:
+    def compact(self, dead_pids: Set[int] = frozenset(), *, clear: bool | None = None) -> None:
         if "stale-pointer" in self.faults:
             self.compact_stale(dead_pids)
         else:
-            super().compact(dead_pids)
+            super().compact(dead_pids, clear=clear)
 
     def exit(self, pid: int) -> None:
         if pid in self.pointer:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes as C
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +72,11 @@ class Ctr:
     real_count: int | None = None  # proc_num is garbled this second: the real count
     last_values: dict[str, int] = field(default_factory=dict)
     last_good: int = 0
+    # A compaction stopped between two of its steps (the writer preempted), and what the
+    # processes used when it began: it moves slots, not usage, so that is what they use until
+    # it is done, whatever the slots read in between.
+    compacting: Iterator[str] | None = None
+    before_compaction: dict[str, int] | None = None
 
     @property
     def w(self) -> CacheWriter:
@@ -101,6 +106,8 @@ class Ctr:
 
     def billable(self) -> dict[str, int]:
         """device uuid -> bytes the file bills now."""
+        if self.before_compaction is not None:
+            return dict(self.before_compaction)
         w = self.writer
         if w is None or w.region.initialized_flag != MAGIC:
             return {}
@@ -185,6 +192,20 @@ class Lab:
     def set_data(self, c: Ctr, pid: int, device: int, nbytes: int) -> None:
         slot = c.w.region.procs[c.w.slot_of(pid)]
         c.w.add_memory(pid, device, "data", nbytes - slot.used[device].data_size)
+
+    def compact_until(self, c: Ctr, step: str) -> None:
+        """A later process starts a compaction and is preempted right after `step` (one of
+        `CacheWriter._removal`'s) of the first hole it fills."""
+        c.before_compaction = c.billable()
+        c.compacting = c.w.compaction()
+        if step not in c.compacting:  # (runs the steps up to and including it)
+            raise ValueError(f"no step {step!r}")
+
+    def finish_compaction(self, c: Ctr) -> None:
+        assert c.compacting is not None
+        for _ in c.compacting:
+            pass
+        c.compacting = c.before_compaction = None
 
     def stop_run(self, c: Ctr) -> None:
         """The container's processes are gone with it (its writer unmaps)."""

@@ -23,6 +23,7 @@ from lifecycle import (
     Lab,
     TruthKey,
     billed,
+    gpu,
     nonzero,
     truncate,
     wave,
@@ -45,6 +46,7 @@ from collector.simulate import GiB, MiB
 
 Script = Callable[[Lab, int], None]
 SECONDS = 240
+POD0 = f"{0:08d}-0000-4000-8000-000000000000"  # the pod UID of a lab's first container
 
 
 def steady(lab: Lab, s: int, name: str, pids: list[int], devices: int = 2) -> None:
@@ -208,7 +210,7 @@ def garbled_count(lab: Lab, s: int) -> None:
     c = lab.ctrs["main"]
     if s == 20:
         lab.kill(c, 4)
-        c.w.compact({4})
+        c.w.compact({4}, clear=False)  # a library that leaves the old last slot as it was
     if s in (41, 61):
         c.w.region.proc_num = c.real_count
         c.real_count = None
@@ -216,6 +218,44 @@ def garbled_count(lab: Lab, s: int) -> None:
     if s in (40, 60):
         c.real_count = c.w.proc_num
         c.w.region.proc_num = -1 if s == 40 else 700
+
+
+def compaction_preempted(step: str) -> Script:
+    """pid 1 exits at 20 (an exit marker in slot 0, its counters left there); at 25 a later
+    process compacts and is preempted after `step` until 28, when it finishes moving pid 3
+    into slot 0. Nobody allocates from 25 to 28."""
+
+    def script(lab: Lab, s: int) -> None:
+        if s == 0:
+            c = lab.container("main")
+            for p in (1, 2, 3):
+                lab.spawn(c, p, 4000 + p)
+        c = lab.ctrs["main"]
+        if s == 20:
+            c.w.exit(1)
+        if s == 25:
+            lab.compact_until(c, step)
+        if s == 28:
+            lab.finish_compaction(c)
+        if not 25 <= s < 28:
+            steady(lab, s, "main", [2, 3] if s >= 20 else [1, 2, 3])
+
+    return script
+
+
+def host_pid_reused(lab: Lab, s: int) -> None:
+    """With --host-proc: pid 1 (2 GiB) is SIGKILLed at 10 and its slot stays (nothing compacts
+    it); at 40 the host gives its host pid to an unrelated process."""
+    if s == 0:
+        c = lab.container("main", devices=1)
+        lab.spawn(c, 1, 4001)
+        lab.set_data(c, 1, 0, 2 * GiB)
+    c = lab.ctrs["main"]
+    if s == 10:
+        lab.kill(c, 1)
+    if s == 40:
+        assert lab.proc is not None
+        (lab.proc / "4001").mkdir()
 
 
 # --- scenarios that were already billed exactly ---------------------------------------------
@@ -334,6 +374,13 @@ FIXED: dict[str, tuple[Script, bool]] = {  # name -> (script, with a host /proc)
     "host_pid_lookup_timeout": (host_pid_lag(None), True),
     "garbled_count": (garbled_count, False),
     "trailing_exit_marker": (trailing_exit_marker, False),
+    # proc_num lowered, pid 3 not yet copied into the hole: only past the count
+    "compaction_preempted_count": (compaction_preempted("count"), False),
+    # pid 3's identity copied into the hole, used[] not yet: the exit marker's counters
+    "compaction_preempted_identity": (compaction_preempted("identity"), False),
+    # device 0 copied, device 1 still pid 1's
+    "compaction_preempted_mid_copy": (compaction_preempted("used[0]"), False),
+    "host_pid_reused": (host_pid_reused, True),
 }
 PASSING: dict[str, tuple[Script, bool]] = {
     "pid_reuse": (pid_reuse, False),
@@ -428,6 +475,53 @@ def test_a_slot_whose_counters_move_is_live_whatever_its_host_pid(tmp_path: Path
     assert stale == [(4001, T0_MS + 30_000)]  # the killed process, once; not its successor
     starts = [(e.pid, e.hostpid, e.ts) for e in lab.events if isinstance(e, ProcessStarted)]
     assert starts == [(7, 4001, T0_MS), (7, 4001, T0_MS + 35_000)]
+
+
+@pytest.mark.parametrize("step", ["count", "identity", "mid_copy"])
+def test_a_compaction_caught_midway_keeps_the_moved_process_as_it_is(
+    tmp_path: Path, step: str
+) -> None:
+    """Scanned three times while pid 3 is being moved into slot 0: it neither exits (and starts
+    again) nor picks up the counters pid 1 left there, and nothing is reported."""
+    lab = run(tmp_path, f"compaction_preempted_{step}")
+    lives = [
+        (type(e).__name__, e.pid, e.ts - T0_MS)
+        for e in lab.events
+        if isinstance(e, (ProcessStarted, ProcessExited))
+    ]
+    assert lives == [
+        ("ProcessStarted", 1, 0), ("ProcessStarted", 2, 0), ("ProcessStarted", 3, 0),
+        ("ProcessExited", 1, 20_000),
+    ]  # fmt: skip
+    assert [e.anomaly for e in lab.events if isinstance(e, LayoutAnomaly)] == []
+    records = reference([msg(lab.name, e) for e in lab.events], SETTINGS)
+    got = billed(records, lab.name)
+    # The first window by hand, per device d (pid p writes wave(s, p + d) each second it is
+    # not idle): pids 1-3 until 20; pids 2 and 3 after; from 25 to 28, while the compaction
+    # is stopped, what they wrote at 24.
+    for d in (0, 1):
+        want = 0
+        for s in range(60):
+            at = 24 if 25 <= s < 28 else s
+            want += sum(wave(at, p + d) for p in ([1, 2, 3] if s < 20 else [2, 3]))
+        assert got[(POD0, "main", gpu(d), T0_MS)] == want * 1000
+    assert got == nonzero(lab.truth)
+
+
+def test_a_dead_slot_stays_dead_when_the_host_reuses_its_host_pid(tmp_path: Path) -> None:
+    """The killed process's 2 GiB are billed for the 10 s it lived, not again from 40 on when
+    an unrelated process gets host pid 4001 (its counters never move again)."""
+    lab = run(tmp_path, "host_pid_reused")
+    records = reference([msg(lab.name, e) for e in lab.events], SETTINGS)
+    assert sum(billed(records, lab.name).values()) == 2 * GiB * 10 * 1000  # 20 GiB*s
+    starts = [(e.pid, e.hostpid, e.ts) for e in lab.events if isinstance(e, ProcessStarted)]
+    assert starts == [(1, 4001, T0_MS)]
+    stale = [
+        (e.value, e.ts)
+        for e in lab.events
+        if isinstance(e, LayoutAnomaly) and e.anomaly == "stale_process"
+    ]
+    assert stale == [(4001, T0_MS + 10_000)]
 
 
 @pytest.mark.parametrize("deleted", [False, True])

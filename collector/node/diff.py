@@ -68,6 +68,10 @@ class FileState:
     # whose counters moved since (a live process the slot's host pid has not caught up with).
     dead_rows: dict[ProcKey, list[UsageRow]] = field(default_factory=dict)
     vouched: set[ProcKey] = field(default_factory=set)
+    # Slots of processes seen alive, then judged dead: they stay dead until their counters
+    # move, whatever /proc says of their host pid later (the host may give that pid to an
+    # unrelated process).
+    dead: set[ProcKey] = field(default_factory=set)
     last_kernel_time: int | None = None
     running: bool | None = None  # what the last ContainerRun said (runs.py); None: nothing
 
@@ -124,24 +128,36 @@ def drop_dead_hosts(
     """Remove from `procs` the slots whose process is dead by both accounts: its host pid is
     gone and its counters have not moved since the host pid was first seen gone. A restarted
     container's first process can reuse a slot (same container pid) before HAMi-core has
-    replaced the slot's host pid, or never if the host-pid lookup times out: its counters move."""
+    replaced the slot's host pid, or never if the host-pid lookup times out: its counters move.
+    A slot whose process was live at the last scan and is judged dead now stays dead while its
+    counters stay as they were, even once its host pid is there again: a process's host pid
+    does not come back, the host reuses it for another process, and that one does not write the
+    slot's counters. A slot judged dead from its first scan on is not held to it: its host pid
+    may just not have been visible yet (a lookup that raced the process's start)."""
     dead_rows: dict[ProcKey, list[UsageRow]] = {}
     vouched: set[ProcKey] = set()
+    dead: set[ProcKey] = set()
     for key, rows in list(procs.items()):
         pid, hostpid = key
-        if hostpid <= 0 or host_pid_alive(host_proc, hostpid):
-            continue
         counters = _counters(rows)
         before = st.dead_rows.get(key)
-        dead_rows[key] = rows
-        if key in st.vouched or (before is not None and _counters(before) != counters):
+        moved = before is not None and _counters(before) != counters
+        if key in st.dead and not moved:
+            pass  # dead already, and nothing wrote its counters since: dead still
+        elif hostpid <= 0 or host_pid_alive(host_proc, hostpid):
+            continue
+        elif key in st.vouched or moved:
+            dead_rows[key] = rows
             vouched.add(key)
             continue
         # SIGKILLed: the slot stays until a later process compacts; it uses nothing.
+        dead_rows[key] = rows
+        if key in st.procs or key in st.dead:
+            dead.add(key)
         del procs[key]
         detail = f"pid {pid} (host pid {hostpid}) has a slot but no process"
         anomalies.append(Anomaly("stale_process", detail, value=hostpid))
-    st.dead_rows, st.vouched = dead_rows, vouched
+    st.dead_rows, st.vouched, st.dead = dead_rows, vouched, dead
 
 
 def end_all(st: FileState, stamp: Stamp, events: list[Event]) -> None:
@@ -153,6 +169,7 @@ def end_all(st: FileState, stamp: Stamp, events: list[Event]) -> None:
     st.rows.clear()
     st.dead_rows.clear()
     st.vouched.clear()
+    st.dead.clear()
 
 
 Presence = Literal["folder", "processes"]

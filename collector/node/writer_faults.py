@@ -55,6 +55,11 @@ class _Watch:
     # slot -> the (pid, hostpid) seen writing it past proc_num, while that process lives
     writers: dict[int, tuple[int, int]] = field(default_factory=dict)
     high: int = 0  # the highest proc_num seen
+    # (pid, hostpid) of the live processes the last check handed on: a compaction's mover is
+    # held only for a process the collector already bills.
+    known: set[tuple[int, int]] = field(default_factory=set)
+    # slots past proc_num read as a compaction's mover at the last check (see `_beyond`)
+    moving: set[int] = field(default_factory=set)
     unique: list[ProcSnapshot] = field(default_factory=list)  # procs that held no duplicate
     # What a check that found nothing and changed nothing was given: (layout, proc_num, the
     # procs object, the anomalies, the reader's read that held the bytes past proc_num, where
@@ -141,7 +146,7 @@ class WriterFaults:
                 past is not None
                 and stable is not None
                 and past[2] == past[3]
-                and not (w.stuck or w.writers or w.orphans or torn)
+                and not (w.stuck or w.writers or w.orphans or w.moving or torn)
             ):
                 w.quiet = (layout.name, n, snap.procs, snap.anomalies, past[2], w.end(n), past[4])
             return snap
@@ -256,10 +261,12 @@ class WriterFaults:
                 end = more
             second = b""
         if first.count(0) == len(first):
-            w.beyond, w.orphans = {}, set()
+            w.beyond, w.orphans, w.moving = {}, set(), set()
+            w.known = _live(procs)
             return first if first == second else None  # nothing ever written past proc_num
         if not second:
             second = _pread(fd, layout.slot_offset(n), len(first))
+        moving: set[int] = set()
         for k in range(n, n + len(first) // size):
             lo = (k - n) * size
             raw = first[lo : lo + size]
@@ -269,7 +276,7 @@ class WriterFaults:
                 continue
             seen[k] = mine = _owned(layout, raw)
             prev = w.beyond.get(k)
-            if prev == mine and k not in w.orphans:
+            if prev == mine and k not in w.orphans and k not in w.moving:
                 continue  # the usual case: a stale copy compaction left, unchanged
             proc, _ = parse_slot(layout, k, raw, snap.device_num)
             if proc.pid == 0 or proc.status == 0:
@@ -281,6 +288,15 @@ class WriterFaults:
             # started at this index and ended between two scans (before 2026-03 an exit
             # compacts itself away at once): nobody writes it.
             copy_at = [p.slot for p in procs if (p.pid, p.hostpid) == key and p.slot < n]
+            if not copy_at and k == n and key in w.known and _hole(procs, n):
+                # HAMi-core compacts by lowering proc_num first, then copying the last slot
+                # (now at proc_num) into the hole, field by field, then clearing it. Caught
+                # after the count is lowered and before the pid is copied, a known process
+                # sits just past the count with an exit marker still below: it is being moved,
+                # not gone. Its slot is the one it has always written: it is read from there.
+                moving.add(k)
+                procs.append(proc)
+                continue
             if not copy_at:
                 w.orphans.discard(k)
                 w.writers.pop(k, None)
@@ -292,6 +308,17 @@ class WriterFaults:
             if layout.slot_seqlock is not None:
                 # The seqlock counts its process's updates: the copy it writes is ahead.
                 stale = _count(mine) > _count(below[key])
+                if k == n and _count(mine) == _count(below[key]) and mine != below[key]:
+                    # The same count with other bytes: nobody wrote either copy since the
+                    # compaction copied the seqlock (the process's own update would raise
+                    # it), so the copy below is still being filled in, used[] device by
+                    # device, and holds what the removed process left on the devices not
+                    # copied yet. The slot being moved is whole: the process is read from it
+                    # until the copy is done (then both agree and the copy below is used).
+                    moving.add(k)
+                    procs[:] = [p for p in procs if (p.pid, p.hostpid) != key]
+                    procs.append(proc)
+                    continue
             else:  # no seqlock: the copy below has not changed since the last scan
                 frozen = below[key] == w.below.get(key)
                 stale = frozen and (prev not in (None, mine) or k in w.orphans)
@@ -317,6 +344,8 @@ class WriterFaults:
         live = {(p.pid, p.hostpid) for p in snap.procs if p.slot < n}
         w.below = {key: raw for key, raw in {**w.below, **below}.items() if key in live}
         w.orphans &= seen.keys()
+        w.moving = moving
+        w.known = _live(procs)
         return first if first == second else None
 
 
@@ -344,6 +373,15 @@ def _duplicates(
                 f"pointer left stale by compaction; usage is taken from slot {keep.slot}"
             )
             anomalies.append(Anomaly("orphaned_slot", detail, slot=p.slot, value=pid))
+
+
+def _live(procs: list[ProcSnapshot]) -> set[tuple[int, int]]:
+    return {(p.pid, p.hostpid) for p in procs if p.pid != 0 and p.status != 0}
+
+
+def _hole(procs: list[ProcSnapshot], n: int) -> bool:
+    """An exit marker below proc_num: a hole a compaction has yet to fill."""
+    return any(p.slot < n and (p.pid == 0 or p.status == 0) for p in procs)
 
 
 def _count(owned: bytes) -> int:
