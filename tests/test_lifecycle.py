@@ -220,10 +220,10 @@ def garbled_count(lab: Lab, s: int) -> None:
         c.w.region.proc_num = -1 if s == 40 else 700
 
 
-def compaction_preempted(step: str) -> Script:
+def compaction_preempted(step: str | None) -> Script:
     """pid 1 exits at 20 (an exit marker in slot 0, its counters left there); at 25 a later
-    process compacts and is preempted after `step` until 28, when it finishes moving pid 3
-    into slot 0. Nobody allocates from 25 to 28."""
+    process compacts, moving pid 3 into slot 0: at once (`step` None), or preempted after
+    `step` until 28, when it finishes (nobody allocates from 25 to 28 then)."""
 
     def script(lab: Lab, s: int) -> None:
         if s == 0:
@@ -233,11 +233,13 @@ def compaction_preempted(step: str) -> Script:
         c = lab.ctrs["main"]
         if s == 20:
             c.w.exit(1)
-        if s == 25:
+        if s == 25 and step is None:
+            c.w.compact()
+        elif s == 25:
             lab.compact_until(c, step)
-        if s == 28:
+        if s == 28 and step is not None:
             lab.finish_compaction(c)
-        if not 25 <= s < 28:
+        if step is None or not 25 <= s < 28:
             steady(lab, s, "main", [2, 3] if s >= 20 else [1, 2, 3])
 
     return script
@@ -277,18 +279,7 @@ def pid_reuse(lab: Lab, s: int) -> None:
         steady(lab, s, "main", [5])
 
 
-def compaction(lab: Lab, s: int) -> None:
-    """pid 1 exits at 20 (an exit marker in slot 0); at 25 a compaction moves pid 3 there."""
-    if s == 0:
-        c = lab.container("main")
-        for p in (1, 2, 3):
-            lab.spawn(c, p, 4000 + p)
-    c = lab.ctrs["main"]
-    if s == 20:
-        c.w.exit(1)
-    if s == 25:
-        c.w.compact()
-    steady(lab, s, "main", [2, 3] if s >= 20 else [1, 2, 3])
+compaction = compaction_preempted(None)
 
 
 def limits_and_uuid(lab: Lab, s: int) -> None:
