@@ -41,7 +41,8 @@ def backdate(*paths: Path) -> None:
 
 
 def entry(p: Path, pod: str, container: str) -> CacheFile:
-    return CacheFile(pod, container, str(p), p.stat().st_ino)
+    st = p.stat()
+    return CacheFile(pod, container, str(p), st.st_ino, st.st_dev)
 
 
 def test_pod_uid_and_container_split_on_first_underscore(tmp_path: Path) -> None:

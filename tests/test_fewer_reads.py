@@ -121,7 +121,7 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(("layout", "preads"), [(V12, 4), (V0A, 3)], ids=["v1.2", "v0a"])
-def test_a_known_file_takes_two_fstats_and_four_reads_or_three_without_seqlock(
+def test_a_known_file_takes_two_fstats_and_four_reads_or_three_without_seqlock(  # + the root's
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: Any, preads: int
 ) -> None:
     monkeypatch.setattr(discover, "TIMESTAMP_WINDOW_NS", int(WINDOW_S * 1e9))
@@ -138,10 +138,11 @@ def test_a_known_file_takes_two_fstats_and_four_reads_or_three_without_seqlock(
     calls = count_reads(monkeypatch)
     w.kernel_launched(time.time() + 5)  # the tail moves, as on a busy GPU
     assert s.scan(now_ms=3000) == []
-    # The folder and the file by their kept descriptors: no lookup by name. The tail (with
-    # what detection probed), then the header with the seqlock words, the slots, the slots
-    # again (without a seqlock: the header with the slots, the slots again).
-    assert calls == {"pread": preads, "fstat": 2, "stat": 0}
+    # The root (once a scan: is it still the same directory?), then the folder and the file
+    # by their kept descriptors: no lookup by name. The tail (with what detection probed),
+    # then the header with the seqlock words, the slots, the slots again (without a seqlock:
+    # the header with the slots, the slots again).
+    assert calls == {"pread": preads, "fstat": 3, "stat": 0}
     w.add_memory(7, 0, "data", MiB)
     (sample,) = s.scan(now_ms=4000)
     assert isinstance(sample, UsageSample) and sample.rows[0].data == 65 * MiB

@@ -4,8 +4,13 @@ cached listing looks current and only the per-scan checks can notice)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from collector.events import (
     ContainerAppeared,
@@ -154,3 +159,47 @@ def test_a_kept_file_that_gains_a_hard_link_or_becomes_a_symlink_is_refused(
     assert refused == [(str(path), "a hard-linked file (2 links): not read")]
     assert s.discovery.open_count == 1  # the folder only
     w.close()
+
+
+@contextlib.contextmanager
+def tmpfs(at: Path) -> Iterator[None]:
+    """A fresh filesystem mounted on `at` (its inode numbers start where any other's did)."""
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "none", str(at)],
+                       check=True, capture_output=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(at)], check=False, capture_output=True)
+
+
+@pytest.mark.parametrize("open_files", [0, 16384], ids=["no-descriptor-kept", "kept"])
+def test_a_filesystem_mounted_over_the_root_is_read_not_the_hidden_one(
+    tmp_path: Path, open_files: int
+) -> None:
+    """The same folder and file names on a fresh tmpfs get the same inode numbers as on the
+    one under it: the kept descriptors went on reading the hidden file (its 1 GiB limit,
+    forever), and without them the new file continued the old container as if rewritten."""
+    root = tmp_path / "root"
+    root.mkdir()
+    with tmpfs(root):
+        path, w1 = container(root, "main")
+        s = Scanner(root, heartbeat_s=3600, inc=1, listing=ListingLimits(open_files=open_files))
+        first = s.scan(now_ms=1000)
+        assert [e.devices[0].limit_bytes for e in first if isinstance(e, ContainerAppeared)] == [
+            GiB
+        ]
+        old_ino, old_dev = path.stat().st_ino, path.stat().st_dev
+        w1.close()
+        with tmpfs(root):
+            path, w2 = container(root, "main", limit=3 * GiB)
+            assert (path.stat().st_ino, path.stat().st_dev != old_dev) == (old_ino, True)
+            w2.add_memory(7, 0, "data", MiB)
+            events = s.scan(now_ms=2000)
+            w2.close()
+            s.discovery.close()
+    (appeared,) = [e for e in events if isinstance(e, ContainerAppeared)]
+    assert (appeared.cid, appeared.devices[0].limit_bytes) == (1, 3 * GiB)
+    assert [e.cid for e in events if isinstance(e, ContainerGone)] == [0]

@@ -62,6 +62,7 @@ class CacheFile:
     container: str
     path: str
     ino: int  # a replaced file (new uuid name or new inode) is a new file
+    dev: int = 0  # so is one on another filesystem (the root remounted: inode numbers repeat)
     # (its container folder's name, its own name), split from `path` once per listing
     names: tuple[str, str] = field(init=False, repr=False, compare=False)
 
@@ -142,6 +143,7 @@ class Discovery:
         self.stats = ListingStats()
         self._dirs: dict[str, _Dir] = {}
         self._root_fd: int | None = None
+        self._root_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the root last scan
         self._held: dict[str, _Held] = {}  # container directory name -> what is kept in it
         self._open_count = 0  # descriptors in _held
         self._listed_before: dict[str, _Dir] = {}
@@ -167,6 +169,18 @@ class Discovery:
             os.close(self._root_fd)
             self._root_fd = None
 
+    def _same_root(self, st: os.stat_result) -> None:
+        """A root that is another directory now (a filesystem mounted over it, a host path
+        replaced) shares nothing with the one before, though a fresh filesystem hands out the
+        same inode numbers: what is kept of the old one (descriptors, listings) is dropped."""
+        root_id = (st.st_dev, st.st_ino)
+        if self._root_id is not None and root_id != self._root_id:
+            for name in list(self._held):
+                self._drop_dir(name)
+            self._dirs = {}
+            self._listed_before = {}
+        self._root_id = root_id
+
     def scan(self) -> tuple[list[CacheFile], list[Skipped]]:
         # The root itself is the operator's setting (it may be a symlink, e.g. a host path);
         # everything below it is the tenants'. Reopened each scan in case it was remounted.
@@ -174,6 +188,7 @@ class Discovery:
         self.unlisted = set()
         try:
             self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._same_root(os.fstat(self._root_fd))
             # scandir(fd) lists a dup of the descriptor: ours keeps its offset for openat.
             entries = sorted(os.scandir(self._root_fd), key=lambda e: e.name)  # stable cid order
         except OSError as exc:
@@ -308,6 +323,7 @@ class Discovery:
         except OSError as exc:
             return self._unlisted(d, path, exc)
         try:
+            dev = os.fstat(fd).st_dev
             found = []
             with os.scandir(fd) as it:
                 for entry in it:
@@ -334,7 +350,7 @@ class Discovery:
                 ino = entry.inode()
             except OSError:
                 continue
-            d.files.append(CacheFile(pod_uid, container, file_path, ino))
+            d.files.append(CacheFile(pod_uid, container, file_path, ino, dev))
         return d
 
     def _unlisted(self, d: _Dir, path: str, exc: OSError) -> _Dir:

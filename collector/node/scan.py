@@ -32,7 +32,7 @@ from .diff import FileState, Presence, diff
 from .discover import CacheFile, Discovery, ListingLimits, Skipped
 from .identity import IdentityStage
 from .presence import PresenceStage
-from .writer_faults import WriterFaults, WriterFaultSettings
+from .writer_faults import FileKey, WriterFaults, WriterFaultSettings
 
 # A heartbeat is sent in parts of at most 64 containers and, past the first, 256 KiB of them:
 # a Kafka request carries 1 MiB by default, and one container's state can be near that (every
@@ -87,10 +87,10 @@ class Scanner:
         self.seq = 0
         self.stats = ScanStats(clock_offset_ms=self.clock.offset_ms)
         self.published: list[tuple[ContainerState, int | None]] = []
-        self._files: dict[tuple[str, int], FileState] = {}
-        self._memos: dict[tuple[str, int], ParseMemo] = {}  # per file, as _files
-        self._snaps: dict[tuple[str, int], Snapshot] = {}  # the snapshot each was diffed to
-        self._states: dict[tuple[str, int], ContainerState] = {}  # as last published
+        self._files: dict[FileKey, FileState] = {}
+        self._memos: dict[FileKey, ParseMemo] = {}  # per file, as _files
+        self._snaps: dict[FileKey, Snapshot] = {}  # the snapshot each was diffed to
+        self._states: dict[FileKey, ContainerState] = {}  # as last published
         self._skipped: set[tuple[str, str, str]] = set()
         self._next_cid = 0
         self._last_heartbeat_ms: int | None = None
@@ -135,18 +135,18 @@ class Scanner:
         skipped_now: set[tuple[str, str, str]] = set()
         self._report_skipped(skipped, skipped_now, events)
 
-        present: dict[tuple[str, int], FileState] = {}
+        present: dict[FileKey, FileState] = {}
         refused: list[Skipped] = []
         presence = self.presence
         host_proc, policy, reuse = self.host_proc, self.presence_policy, self.reuse
-        last: dict[tuple[str, int], Snapshot] = self._snaps
-        seen: dict[tuple[str, int], Snapshot] = {}
-        unchanged: set[tuple[str, int]] = set()
+        last: dict[FileKey, Snapshot] = self._snaps
+        seen: dict[FileKey, Snapshot] = {}
+        unchanged: set[FileKey] = set()
         if presence is not None:
             presence.begin(self.clock.offset_ms if now_ms is None else 0)
         now_s = time.monotonic()  # for the writer-fault checks' stuck seqlocks
         for f in found:
-            key = (f.path, f.ino)
+            key = (f.path, f.dev, f.ino)
             st = self._files.get(key)
             if presence is not None:
                 cid = st.cid if st is not None and st.appeared else -1
@@ -214,7 +214,7 @@ class Scanner:
         return events
 
     def _keep_unlisted(
-        self, present: dict[tuple[str, int], FileState], seen: dict[tuple[str, int], Snapshot]
+        self, present: dict[FileKey, FileState], seen: dict[FileKey, Snapshot]
     ) -> list[Event]:
         """Files not found because their folder, or the root, could not be listed this scan
         (EMFILE, EIO, a remount): unusable for this scan, like a file that cannot be opened
@@ -256,7 +256,7 @@ class Scanner:
         if isinstance(opened, Skipped):
             skipped.append(opened)
             return None
-        key = (f.path, f.ino)
+        key = (f.path, f.dev, f.ino)
         memo = self._memos.get(key)
         if memo is None and self.reuse:
             memo = self._memos[key] = ParseMemo()

@@ -30,7 +30,7 @@ from ..layout.declarations import LAYOUTS, MAX_PROCS, Layout
 from ..layout.reader import Past, parse_slot
 from ..layout.snapshot import Anomaly, ProcSnapshot, Snapshot
 
-FileKey = tuple[str, int]  # (path, inode), as the scanner keys files
+FileKey = tuple[str, int, int]  # (path, device, inode), as the scanner keys files
 # Slots past proc_num read each scan: at least BEYOND (one compaction leaves its mover at
 # proc_num), up to the highest proc_num seen (a compaction of several holes leaves movers
 # further out) and on to the first slot never written, at most REACH.
