@@ -160,7 +160,8 @@ class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fi
         check.path("parquet", self.parquet)
         check.kafka_name("group", self.group)
         check.http_url("otlp", self.otlp)
-        check.printable("instance", self.instance)
+        # it names this replica's Parquet parts too: no `/`, nothing a file name cannot hold
+        check.kafka_name("instance", self.instance)
         check.address("health_bind_address", self.health_bind_address)
 
 

@@ -153,8 +153,13 @@ AGGREGATE = [
     (["--kafka", "garbage,,:"], "invalid setting kafka: 'garbage' is not host:port"),
     (
         ["--instance", "a b"],
-        "invalid setting instance: 'a b' is not 1 to 249 printable characters without spaces",
+        "invalid setting instance: 'a b' is not 1 to 249 of the characters A-Z a-z 0-9 . _ -",
     ),  # fmt: skip
+    (  # it names the replica's Parquet parts: a traceback at the first write
+        ["--instance", "a/b"],
+        "invalid setting instance: 'a/b' is not 1 to 249 of the characters A-Z a-z 0-9 . _ -",
+    ),  # fmt: skip
+    (["--instance", ".."], "invalid setting instance: '..' is not a name"),
     (["--csv", "{dir}"], "--csv {dir}: is a directory"),
     (["--jsonl", "/sys/x.jsonl"], "--jsonl /sys/x.jsonl: cannot write: Permission denied"),
     (

@@ -465,6 +465,12 @@ def settings_of(argv: list[str], env: dict[str, str], files: dict[str, Path]) ->
     return load(cls, args.command, config_file=config, flags=flags, env=env)
 
 
+# What Kubernetes puts in a field the settings check the form of: the pod index is a number
+# (`instance` is 1-249 of A-Za-z0-9._-); other fields read as `<fieldPath>`.
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
+FIELD_VALUES = {POD_INDEX: "3"}
+
+
 def _resolve_env(container: dict[str, Any]) -> dict[str, str]:
     maps = config_maps()
     env = {}
@@ -475,7 +481,8 @@ def _resolve_env(container: dict[str, Any]) -> dict[str, str]:
             ref = e["valueFrom"]["configMapKeyRef"]
             env[e["name"]] = maps[ref["name"]][ref["key"]]
         else:
-            env[e["name"]] = f"<{e['valueFrom']['fieldRef']['fieldPath']}>"
+            path = e["valueFrom"]["fieldRef"]["fieldPath"]
+            env[e["name"]] = FIELD_VALUES.get(path, f"<{path}>")
     return env
 
 
@@ -533,7 +540,7 @@ def test_k8s_command_lines_parse_and_resolve(
         assert settings.node == ""  # so the collector takes NODE_NAME
     else:
         assert isinstance(settings, AggregateConfig)
-        assert settings.instance == "<metadata.labels['apps.kubernetes.io/pod-index']>"
+        assert settings.instance == FIELD_VALUES[POD_INDEX]
         assert settings.health_port == 8080
         url = urlsplit(str(settings.otlp))
         svc = find("Service", url.hostname or "")

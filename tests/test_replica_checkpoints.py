@@ -1,6 +1,8 @@
 """What each replica's checkpoint keeps across the group: a replica's first start does not
-forget the group's emitted windows, and the Parquet part count survives a merge with commits
-made before `parquet` was on (real files; the local log as the input)."""
+forget the group's emitted windows, the Parquet part count survives a merge with commits
+made before `parquet` was on, turning `parquet` on commits the part count at start, and a
+replica's Parquet parts are told from another's whose instance begins with its own (real
+files; the local log as the input)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ import asyncio
 import csv
 from pathlib import Path
 
+import pyarrow.parquet as pq
+import pytest
 from streams import T0_MS, WINDOW, build, reference, write_local_log
 
+from collector.aggregate.parquet import ParquetSink
 from collector.aggregate.service import (
     AggregateSettings,
     Checkpoint,
@@ -17,6 +22,7 @@ from collector.aggregate.service import (
     merge_checkpoints,
     run_local,
 )
+from collector.transport.locallog import LogReader
 
 
 def record_ids(path: Path) -> list[str]:
@@ -78,3 +84,81 @@ def test_the_parquet_part_count_survives_a_merge_with_older_commits(tmp_path: Pa
     again = Outputs.open(str(tmp_path / "0.csv"), None, None, merged, "0", str(parts))
     assert sorted(p.name for p in parts.rglob("*.parquet")) == ["part-0-0000000000.parquet"]
     again.close_files()
+
+
+class Crash(Exception):
+    """A stand-in for SIGKILL: the part is on disk, the commit never happens."""
+
+
+def test_parquet_turned_on_later_writes_each_record_once_across_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica drains half the log with CSV only, then restarts with `parquet` on and dies
+    after writing its first part, before that write's commit. The checkpoint it resumed from
+    has CSV lengths but no part count: it must commit the part count at start, so the next
+    restart deletes that part instead of writing its records again."""
+    msgs = build(tmp_path / "nodes", T0_MS)
+    half = len(msgs) // 2
+    log, parts = tmp_path / "log", tmp_path / "pq"
+    write_local_log(log, msgs[:half])
+
+    def run(parquet: str | None) -> None:
+        settings = AggregateSettings(
+            window=WINDOW, kafka=None, topic="t", billing_topic="b", group="g", log_dir=log,
+            csv=str(tmp_path / "b.csv"), parquet=parquet, drain=True,
+        )  # fmt: skip
+        asyncio.run(run_local(settings, asyncio.Event()))
+
+    run(None)
+    write_local_log(log, msgs[half:])
+    real = LogReader.commit
+
+    def commit(self: LogReader, group: str, position: int, meta: str = "") -> None:
+        if any(parts.rglob("*.parquet")):
+            raise Crash
+        real(self, group, position, meta)
+
+    with monkeypatch.context() as m:
+        m.setattr(LogReader, "commit", commit)
+        with pytest.raises(Crash):
+            run(str(parts))
+    assert [p.name for p in parts.rglob("*.parquet")] == ["part-0-0000000000.parquet"]
+    run(str(parts))
+    ids = [
+        i
+        for f in sorted(parts.rglob("*.parquet"))
+        for i in pq.read_table(f, columns=["record_id"]).column("record_id").to_pylist()
+    ]
+    csv_ids = record_ids(tmp_path / "b.csv")
+    assert len(ids) == len(set(ids)) == 52
+    assert len(csv_ids) == len(set(csv_ids)) == 112
+    # the second half's records, as the CSV file has them after its own cut back
+    assert set(ids) <= set(csv_ids)
+
+
+def test_a_replica_leaves_the_parts_of_one_whose_instance_it_begins(tmp_path: Path) -> None:
+    """Replicas `a` and `a-b` share the folder. `a` restarting removes its own parts after its
+    last commit and its own unfinished write, never `a-b`'s: `a-b`'s write in flight then
+    finishes with its rename."""
+    records = reference(build(tmp_path / "nodes", T0_MS))
+    parts = tmp_path / "pq"
+    other = ParquetSink(parts, instance="a-b", resume_at=0)
+    other.write(records[:10])
+    mine = ParquetSink(parts, instance="a", resume_at=0)
+    mine.write(records[10:20])
+    day = next(parts.glob("day=*"))
+    theirs = day / "part-a-b-0000000001.parquet.tmp"  # a-b between its write and its rename
+    theirs.write_bytes(b"being written")
+    (day / "part-a-0000000001.parquet.tmp").write_bytes(b"a's write that never finished")
+    ParquetSink(parts, instance="a", resume_at=0)  # a restarts: its commit said 0 parts
+    assert sorted(f.name for f in day.iterdir()) == [
+        "part-a-b-0000000000.parquet",
+        "part-a-b-0000000001.parquet.tmp",
+    ]
+    theirs.rename(day / "part-a-b-0000000001.parquet")
+    again = ParquetSink(parts, instance="a-b", resume_at=2)
+    assert again.tell() == 2
+    assert sorted(f.name for f in day.iterdir()) == [
+        "part-a-b-0000000000.parquet",
+        "part-a-b-0000000001.parquet",
+    ]

@@ -790,6 +790,93 @@ def test_a_jsonl_number_no_record_can_hold_is_one_line_and_exit_1(
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
 
 
+NULL = "allocated_gpu_seconds is null"
+RESERVED_IDLE_NULL = "reserved_idle_gpu_seconds is null"
+
+
+def _damaged_parquet(pipeline: Path, tmp_path: Path, column: str, values: pa.Array) -> Path:
+    """A copy of the pipeline's Parquet folder whose first part has `column` set to `values`
+    (one per row; cycled)."""
+    copy = tmp_path / "pq"
+    shutil.copytree(pipeline / "pq", copy)
+    part = sorted(copy.glob("day=2026-03-02/part-*.parquet"))[0]
+    table = pq.read_table(part)
+    n = table.num_rows
+    column_values = pa.concat_arrays([values] * (n // len(values) + 1)).slice(0, n)
+    table = table.set_column(table.schema.get_field_index(column), column, column_values)
+    pq.write_table(table, part)
+    return part
+
+
+@pytest.mark.parametrize(
+    "column, values, message",
+    [
+        ("allocated_gpu_seconds", pa.array([float("nan")]), NOT_FINITE),
+        ("allocated_gpu_seconds", pa.array([1.0, float("inf")]), NOT_FINITE),
+        ("allocated_gpu_seconds", pa.array([float("-inf")]), NOT_FINITE),
+        ("allocated_gpu_seconds", pa.array([1.0, -60.0]), OUT_OF_RANGE),  # a negative bill
+        ("allocated_gpu_seconds", pa.array([1e300]), OUT_OF_RANGE),
+        ("allocated_gpu_seconds", pa.array([float(1 << 63) / 1000]), OUT_OF_RANGE),
+        ("allocated_gpu_seconds", pa.array([1.0, None], pa.float64()), NULL),
+        ("observed_seconds", pa.array([float("inf")]), "observed_seconds is not a finite number"),
+        ("memory_byte_seconds", pa.array([-1.0]), OUT_OF_RANGE),  # summed, never checked
+        ("namespace", pa.array([None], pa.string()), "namespace is null"),
+        # a version 2 record measured it: null only where the version predates the field
+        ("reserved_idle_gpu_seconds", pa.array([None], pa.float64()), RESERVED_IDLE_NULL),
+    ],
+    ids=[
+        "nan", "inf", "-inf", "negative", "1e300", "2**63-milli", "null", "inf-observed",
+        "negative-memory", "null-string", "null-v2-reserved-idle",
+    ],
+)  # fmt: skip
+def test_a_parquet_number_no_record_can_hold_is_one_line_and_exit_1(
+    pipeline: Path, tmp_path: Path, column: str, values: pa.Array, message: str
+) -> None:
+    """As a CSV or JSONL record's: a negative number was a wrong bill with exit 0, NaN,
+    infinity and null a traceback."""
+    part = _damaged_parquet(pipeline, tmp_path, column, values)
+    proc = hami("report", *RANGE, "--parquet", tmp_path / "pq")
+    expected = f"hami-usage report: {part}: not a billing record: {message}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+
+
+NOT_PARQUET = (
+    "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a "
+    "parquet file."
+)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda part: part.write_bytes(b""), "Parquet file size is 0 bytes"),
+        (lambda part: part.write_bytes(b"PAR1 not really"), NOT_PARQUET),
+        (lambda part: part.write_bytes(part.read_bytes()[:-100]), NOT_PARQUET),  # cut short
+        (
+            lambda part: pq.write_table(
+                pq.read_table(part).set_column(
+                    0, "window_start_ms", pa.array(["x"] * pq.read_metadata(part).num_rows)
+                ),
+                part,
+            ),
+            "window_start_ms is string, not int64",
+        ),
+    ],
+    ids=["zero-length", "not-parquet", "truncated", "wrong-type"],
+)
+def test_a_damaged_parquet_part_is_one_line_and_exit_1(
+    pipeline: Path, tmp_path: Path, damage: Any, message: str
+) -> None:
+    """README: an unreadable input is one line naming it, exit 1 (each once a traceback)."""
+    copy = tmp_path / "pq"
+    shutil.copytree(pipeline / "pq", copy)
+    part = sorted(copy.glob("day=2026-03-02/part-*.parquet"))[0]
+    damage(part)
+    proc = hami("report", *RANGE, "--parquet", copy)
+    expected = f"hami-usage report: {part}: not a billing record Parquet file: {message}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+
+
 def test_a_billing_message_no_record_can_hold_is_refused_with_its_offset(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -23,7 +23,9 @@ __all__ = ["ParquetSink", "day_of"]
 
 log = logging.getLogger(__name__)
 
-_PART = re.compile(r"part-(.+)-(\d{10})\.parquet")
+# A part or a write of one not finished; the instance is everything between `part-` and the
+# number (it may hold `-`: replica `a` must never take replica `a-b`'s files for its own).
+_PART = re.compile(r"part-(?P<instance>.+)-(?P<n>\d{10})\.parquet(?P<tmp>\.tmp)?")
 DAY_MS = 86_400_000
 
 
@@ -59,10 +61,12 @@ class ParquetSink:
         for day in self.path.glob("day=*"):
             for f in day.iterdir():
                 m = _PART.fullmatch(f.name)
-                if m and m.group(1) == self.instance:
-                    parts.setdefault(int(m.group(2)), []).append(f)
-                elif f.name.startswith(f"part-{self.instance}-") and f.name.endswith(".tmp"):
+                if m is None or m["instance"] != self.instance:
+                    continue
+                if m["tmp"]:
                     f.unlink()  # a write that never finished
+                else:
+                    parts.setdefault(int(m["n"]), []).append(f)
         return parts
 
     def write(self, records: list[BillingRecord]) -> None:

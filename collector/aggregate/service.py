@@ -134,7 +134,9 @@ class Outputs:
     instance: str = "0"
     # every replica's committed lengths, as last seen; this replica's are updated at commits
     replicas: dict[str, list[int]] = field(default_factory=dict)
-    first_start: bool = False  # this replica never committed its lengths: commit them at once
+    # this replica never committed its lengths (or, with --parquet, its part count): commit
+    # them at once
+    first_start: bool = False
 
     @classmethod
     def open(
@@ -176,6 +178,10 @@ class Outputs:
 
             parts = resume.parquet_of(self.instance) if resume is not None else None
             self.parquet = ParquetSink(parquet, instance=self.instance, resume_at=parts)
+            # --parquet turned on for a replica that committed without it: its first start
+            # as far as Parquet goes; commit the part count now, or a crash before the next
+            # commit would leave parts that the restart writes again
+            self.first_start = self.first_start or parts is None
 
     def learn(self, checkpoint: Checkpoint) -> None:
         """Carry the other replicas' committed lengths forward (see `merge_checkpoints`)."""

@@ -142,11 +142,85 @@ def from_jsonl(paths: Iterable[Path], from_ms: int, to_ms: int) -> pa.Table:
     return from_records((r for p in paths for r in _read_jsonl(_open(p))), from_ms, to_ms)
 
 
+def _parquet_type_ok(actual: pa.DataType, expected: pa.DataType) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_string(expected):  # dictionary-encoded or large strings read as strings
+        if pa.types.is_dictionary(actual):
+            actual = actual.value_type
+        return bool(pa.types.is_string(actual) or pa.types.is_large_string(actual))
+    return bool(actual.equals(expected))
+
+
+_DECIMALS = {n for n, t in _HINTS.items() if t is Decimal}
+# A decimal's milli-units as a double: below 2**63, the first double above RECORD_MAX (and
+# what the report's cast to integer milliseconds holds).
+_MILLI_LIMIT = float(1 << 63)
+
+
+def _any(mask: pa.Array | pa.ChunkedArray) -> bool:
+    """Whether any of `mask` is true; a null (a value a missing column reads as) is not."""
+    import pyarrow.compute as pc
+
+    result: object = pc.any(mask, skip_nulls=True, min_count=0).as_py()
+    return result is True
+
+
+def _parquet_check(batch: pa.RecordBatch) -> str | None:
+    """Why `batch` holds a number no record can, as `checked` says it; None if it holds none.
+    Null is what a missing column reads as: allowed only for a field a record of its version
+    does not carry (`SINCE_VERSION`; no version reads as 1)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    names = batch.schema.names
+    version = (
+        pc.fill_null(batch.column("version"), 1)
+        if "version" in names
+        else pa.array([1] * batch.num_rows, pa.int64())
+    )
+    for name in names:
+        if name == "version":
+            continue
+        nulls = pc.is_null(batch.column(name))
+        if name in SINCE_VERSION:
+            nulls = pc.and_(nulls, pc.greater_equal(version, SINCE_VERSION[name]))
+        if _any(nulls):
+            return f"{name} is null"
+    numbers = [n for n in names if n in _DECIMALS or (n in _INT and n != "version")]
+    for name in numbers:
+        if name in _DECIMALS and _any(pc.invert(pc.is_finite(batch.column(name)))):
+            return f"{name} is not a finite number"
+    for name in numbers:
+        col = batch.column(name)
+        below = pc.less(col, 0)
+        if name in _DECIMALS:
+            above = pc.greater_equal(pc.multiply(col, 1000.0), _MILLI_LIMIT)
+        else:
+            above = pc.greater(col, RECORD_MAX)
+        if _any(pc.or_(below, above)):
+            return f"a number outside [0, {RECORD_MAX}] (seconds in milli-units)"
+    return None
+
+
+def _arrow_error(path: str, e: Exception) -> LoadError:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    for prefix in (f"Could not open Parquet input source '{path}': ", f"{path}: "):
+        text = text.removeprefix(prefix)
+    if isinstance(e, OSError) and e.strerror:
+        text = e.strerror
+    return LoadError(f"{path}: not a billing record Parquet file: {text}")
+
+
 def from_parquet(
     root: Path, from_ms: int, to_ms: int, columns: list[str], batch_rows: int = 1 << 20
 ) -> Iterator[pa.Table]:
     """The day partitions that can hold [from, to), then a row filter on the window start;
-    in batches of at most `batch_rows` rows, so memory stays bounded whatever the range."""
+    in batches of at most `batch_rows` rows, so memory stays bounded whatever the range.
+
+    Read file by file, so that a damaged part (cut short, not Parquet, a column of another
+    type) or a number no record can hold (null, NaN, infinite, negative, above RECORD_MAX) is
+    a LoadError naming it, as a CSV or JSONL line is."""
     import pyarrow as pa
     import pyarrow.dataset as ds
 
@@ -166,18 +240,44 @@ def from_parquet(
             for f in arrow_schema()
         ]
     )
+    expected = arrow_schema()
     fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(dictionary_columns=strings))
-    dataset = ds.dataset(files, schema=schema, format=fmt)
     flt = (ds.field("window_start_ms") >= from_ms) & (ds.field("window_start_ms") < to_ms)
-    # One file and one batch ahead at most: the scanner's default read-ahead (4 files, 16
-    # batches) is what the memory of a month-long report grows with.
-    batches = dataset.to_batches(
-        columns=columns,
-        filter=flt,
-        batch_size=batch_rows,
-        batch_readahead=1,
-        fragment_readahead=1,
-    )
-    for batch in batches:
-        if batch.num_rows:
-            yield pa.Table.from_batches([batch])
+    pending: list[pa.RecordBatch] = []
+    rows = 0
+    for path in files:
+        try:
+            fragment = next(iter(ds.dataset([path], schema=schema, format=fmt).get_fragments()))
+            physical = fragment.physical_schema
+            for name in columns:
+                i = physical.get_field_index(name)
+                want = expected.field(name).type
+                if i >= 0 and not _parquet_type_ok(physical.field(i).type, want):
+                    got = physical.field(i).type
+                    raise LoadError(
+                        f"{path}: not a billing record Parquet file: {name} is {got}, not {want}"
+                    )
+            # One batch ahead at most: the scanner's default read-ahead (16 batches) is what
+            # the memory of a month-long report grows with.
+            batches = fragment.to_batches(
+                schema=schema,
+                columns=columns,
+                filter=flt,
+                batch_size=batch_rows,
+                batch_readahead=1,
+            )
+            for batch in batches:
+                if not batch.num_rows:
+                    continue
+                why = _parquet_check(batch)
+                if why is not None:
+                    raise LoadError(f"{path}: not a billing record: {why}")
+                pending.append(batch)
+                rows += batch.num_rows
+                if rows >= batch_rows:
+                    yield pa.Table.from_batches(pending)
+                    pending, rows = [], 0
+        except (pa.ArrowException, OSError) as e:
+            raise _arrow_error(path, e) from None
+    if pending:
+        yield pa.Table.from_batches(pending)
