@@ -72,10 +72,15 @@ def test_running_aggregator_answers_healthz(tmp_path: Path) -> None:
 
 
 async def test_stalled_loop_answers_503() -> None:
+    """A minute once the loop has turned (start-up's grace, waiting for the broker, made it
+    70 s with the default 60 s start timeout); the grace only before the first turn."""
     liveness = Liveness()
-    server = HealthServer("127.0.0.1", 0, liveness, stale_after_s=60)
+    server = HealthServer("127.0.0.1", 0, liveness, stale_after_s=60, start_grace_s=70)
     port = await server.start()
     try:
+        liveness.last_beat -= 65  # starting: waiting for the broker
+        assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 200
+        liveness.beat()
         assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 200
         liveness.last_beat -= 61  # as if the loop had not come round for a minute
         status, body = await asyncio.to_thread(get, port, "/healthz")

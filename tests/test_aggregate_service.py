@@ -9,6 +9,8 @@ this process gives, and a few are also worked out by hand from the stream's form
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -170,6 +172,37 @@ def test_local_log_service(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert final_report(proc.stderr)[0] == 0
     assert (csv.read_bytes(), jsonl.read_bytes()) == before
+
+
+def test_a_drain_stopped_by_a_signal_says_so_and_exits_1(tmp_path: Path) -> None:
+    """SIGTERM before the end of the input (sent here at the first read of the log): what was
+    written stands, and a later --drain finishes it, but the run is not the whole input (it
+    exited 0 with a sixth of the records)."""
+    msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
+    _, csv, _, cmd = local_run(tmp_path, msgs)
+    code = (
+        "import os, signal\n"
+        "from collector.cli import main\n"
+        "from collector.transport.locallog import LogReader\n"
+        "read = LogReader.read\n"
+        "def first(self, *a, **k):\n"
+        "    LogReader.read = read\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return read(self, *a, **k)\n"
+        "LogReader.read = first\n"
+        f"raise SystemExit(main({cmd!r}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.endswith(
+        "hami-usage aggregate: --drain stopped before the end of the input\n"
+    ), proc.stderr
+    partial = len(read_csv(csv))
+    assert 0 < partial < len(reference(msgs))
+    again = hami(*cmd)  # the same drain, uninterrupted, finishes from the commit
+    assert again.returncode == 0, again.stderr
+    assert read_csv(csv) == csv_lines(reference(msgs))
 
 
 def test_local_log_bad_input(tmp_path: Path) -> None:

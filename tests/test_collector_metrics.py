@@ -391,3 +391,17 @@ async def test_two_cache_files_of_one_container_are_one_series(tmp_path: Path) -
     labels = own_labels("", POD, "main", GPU)
     assert samples(body)[(name, labels)] == 3 * GiB
     assert samples(body)[("hami_usage_container_processes", labels)] == 1  # pid 7 in both
+
+
+def test_health_before_the_first_scan_says_there_was_none() -> None:
+    """503 until a scan happened, and the body says so (it named a last scan never made)."""
+    from collector.node.metrics.families import Health
+    from collector.node.metrics.server import healthz
+
+    starting = Health(0, 0.0, 0, 0, 0, 0, 0, 0, seconds_since_scan=3.0)
+    assert healthz(starting, 30.0) == (
+        "503 Service Unavailable",
+        "no scan yet (started 3.0 s ago)\n",
+    )
+    scanned = Health(1, 0.0, 0, 0, 0, 0, 0, 0, seconds_since_scan=0.5)
+    assert healthz(scanned, 30.0) == ("200 OK", "last scan 0.5 s ago\n")

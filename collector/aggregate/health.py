@@ -3,7 +3,7 @@
 Both input loops (local log, Kafka) come round at least every second or so, idle or not, and call
 `Liveness.beat`. A loop stuck longer than `stale_after_s` (a hung broker call, a wedged
 transaction) answers 503 and the kubelet restarts the pod; start-up (waiting for the broker,
-at most `start_timeout_s`) counts as alive.
+at most `start_timeout_s`), before the loop's first turn, counts as alive for `start_grace_s`.
 """
 
 from __future__ import annotations
@@ -25,14 +25,28 @@ class Liveness:
 
 
 class HealthServer(HttpServer):
-    def __init__(self, host: str, port: int, liveness: Liveness, *, stale_after_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        liveness: Liveness,
+        *,
+        stale_after_s: float,
+        start_grace_s: float = 0.0,
+    ) -> None:
         super().__init__(host, port, {"/healthz": self._healthz})
         self.liveness = liveness
         self.stale_after_s = stale_after_s
+        self.start_grace_s = start_grace_s
 
     async def _healthz(self, accept: str) -> Answer:
         age = time.monotonic() - self.liveness.last_beat
-        status = "200 OK" if age <= self.stale_after_s else "503 Service Unavailable"
+        limit = (
+            self.stale_after_s
+            if self.liveness.beats
+            else max(self.stale_after_s, self.start_grace_s)
+        )
+        status = "200 OK" if age <= limit else "503 Service Unavailable"
         return (
             status,
             TEXT,

@@ -565,33 +565,32 @@ class OtlpExporter:
         return True
 
     def shutdown(self) -> None:
-        """Push once more and wait for it at most about `timeout_s`, then release the HTTP
-        connection. Idempotent; never raises; never waits for a push that does not end."""
+        """Push once more, waiting for that and any push still running at most 2 x
+        `timeout_s` in all, then release the HTTP connection. Idempotent; never raises; never
+        waits for a push that does not end."""
         if self._closed:
             return
-        self._await_push()
-        self.push()
-        if not self._await_push():
+        deadline = time.monotonic() + 2 * self.timeout_s
+        finished = self._await_push(deadline) and self.push() and self._await_push(deadline)
+        self._closed = True
+        if not finished:
             _log.warning(
                 "the last OTLP push to %s did not finish in %.0fs: not waiting for it",
                 self.endpoint,
                 2 * self.timeout_s,
             )
-            self._closed = True
             return
-        self._closed = True
         try:
             self._provider.shutdown(timeout_millis=self.timeout_s * 1000)
         except Exception:
             _log.exception("OTLP meter provider shutdown failed")
 
-    def _await_push(self) -> bool:
-        """Wait for the running push (if any) at most 2 x `timeout_s`; True when none runs."""
+    def _await_push(self, deadline: float) -> bool:
+        """Wait for the running push (if any) until `deadline`; True when none runs."""
         running = self._pushing
-        if running is None:
-            return True
-        running.join(2 * self.timeout_s)
-        return not running.is_alive()
+        if running is not None:
+            running.join(max(0.0, deadline - time.monotonic()))
+        return running is None or not running.is_alive()
 
     def __enter__(self) -> OtlpExporter:
         return self

@@ -241,6 +241,7 @@ class AggregateSettings:
     instance: str = "0"
     start_timeout_s: float = 60.0
     stats: InputStats = field(default_factory=InputStats)
+    drained: bool = False  # --drain read to the end (not stopped by a signal first)
     health_port: int | None = None  # /healthz; None: off
     health_bind_address: str = "0.0.0.0"
     liveness: Liveness = field(default_factory=Liveness)
@@ -388,6 +389,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 outputs.export(records, [agg])
                 last_commit = time.monotonic()
             if done:
+                settings.drained = True
                 break
             if not batch:
                 await asyncio.sleep(0.5)
@@ -567,6 +569,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 outputs.export(records, list(aggs.values()))
                 last_commit = time.monotonic()
             if done:
+                settings.drained = True
                 break
     finally:
         if outputs is not None:
@@ -629,13 +632,13 @@ async def aggregate(settings: AggregateSettings) -> Outputs:
         loop.add_signal_handler(sig, stopping.set)
     health = None
     if settings.health_port is not None:
-        # Start-up may wait start_timeout_s for the broker: alive meanwhile.
-        stale_after_s = max(HEALTH_STALE_AFTER_S, settings.start_timeout_s + 10)
         health = HealthServer(
             settings.health_bind_address,
             settings.health_port,
             settings.liveness,
-            stale_after_s=stale_after_s,
+            stale_after_s=HEALTH_STALE_AFTER_S,
+            # Start-up may wait start_timeout_s for the broker: alive meanwhile.
+            start_grace_s=settings.start_timeout_s + 10,
         )
         port = await health.start()
         log.info("health on %s:%d/healthz", settings.health_bind_address, port)

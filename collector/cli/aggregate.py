@@ -124,6 +124,11 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_CHECKPOINT
     except ListenError as exc:
         raise UsageError(f"hami-usage aggregate: --health-port {exc}") from None
+    if cfg.drain and not settings.drained:
+        # Stopped by a signal before the end of the input: what is written stands (a later
+        # --drain resumes from the commit), but it is not the whole input.
+        print("hami-usage aggregate: --drain stopped before the end of the input", file=sys.stderr)
+        return 1
     return damage_exit("aggregate", settings.stats.damage, cfg.accept_damaged, cfg.drain)
 
 

@@ -22,7 +22,11 @@ def healthz(health: Health, stale_after_s: float) -> tuple[str, str]:
     collector is degraded then, not dead (a restart would not free the disk), and says so."""
     fresh = health.scans > 0 and health.seconds_since_scan <= stale_after_s
     status = "200 OK" if fresh else "503 Service Unavailable"
-    body = f"last scan {health.seconds_since_scan:.1f} s ago\n"
+    body = (
+        f"last scan {health.seconds_since_scan:.1f} s ago\n"
+        if health.scans
+        else f"no scan yet (started {health.seconds_since_scan:.1f} s ago)\n"
+    )
     if health.log_blocked is not None:
         body = f"degraded: local log refuses events ({health.log_blocked}); {body}"
     return status, body
