@@ -156,6 +156,45 @@ def test_idle_time_from_other_traffic_equals_the_source_resuming() -> None:
     assert run(True) == run(False)
 
 
+def test_an_idle_shorter_than_a_cap_and_a_window_cannot_tell_live_from_replay() -> None:
+    """`idle` 2 s with 5 s windows, 1 s lateness, 3 s cap: the collector stops at 15 s and a
+    new incarnation starts at 18 s. Live, the clock turned the node idle during the silence
+    and closed its windows, so the new one's first events came late; a replay turned it idle
+    only at its next record, which then rejoined in time: the records differed. The idle rule
+    now waits at least a cap, the lateness and a window (9 s here)."""
+    small = WindowSettings(window_ms=5_000, lateness_ms=1_000, max_gap_ms=3_000,
+                           max_skew_ms=1_000, idle_ms=2_000)  # fmt: skip
+    assert small.idle_after_ms == 9_000
+    old, new = Collector(inc=1), Collector(inc=2)
+    before = [
+        (T0 + t, old.heartbeat(T0 + t, state(1, row(1, 100)))) for t in range(0, 15_001, 1000)
+    ]
+    after = [
+        (T0 + t, new.heartbeat(T0 + t, state(1, row(1, 300)))) for t in range(18_000, 40_001, 1000)
+    ]
+
+    def run(live: bool) -> list[BillingRecord]:
+        agg = Aggregator(small)
+        out: list[BillingRecord] = []
+        for i, (rec, e) in enumerate(before):
+            agg.add("n1", e, offset=i, record_ts_ms=rec)
+            out += agg.advance()
+        if live:  # the service's clock during the silence
+            for t in range(16_000, 18_000, 500):
+                agg.idle(T0 + t)
+                out += agg.advance()
+        for i, (rec, e) in enumerate(after, start=len(before)):
+            agg.add("n1", e, offset=i, record_ts_ms=rec)
+            out += agg.advance()
+        return out + agg.flush()
+
+    live, replay = run(True), run(False)
+    assert live == replay
+    assert sum(r.memory_byte_seconds for r in live if r.kind == "container") == (
+        100 * 15 + 100 * 3 + 300 * 22 + 300 * 3
+    )
+
+
 def test_future_events_are_refused_per_node_and_move_no_other_node() -> None:
     calm = node_feed("calm", 0, 0, 600, 1000)
     c = Collector(inc=3)

@@ -66,7 +66,7 @@ class Aggregator:
         self._guard = NodeGuard(self._incs, self.stats)
         self._progress = Progress(
             settings.max_skew_ms,
-            settings.idle_ms,
+            settings.idle_after_ms,
             settings.max_gap_ms + settings.lateness_ms + settings.window_ms,
         )
         self._arrival = 0
