@@ -317,3 +317,31 @@ def test_first_start_on_a_full_disk_waits_for_space(
     assert log.stats.unwritten_records == 0
     got, _ = read_all(directory)
     assert [(r.offset, r.value) for r in got] == [(0, b"c"), (1, b"d")]
+
+
+def test_a_first_start_that_cannot_create_the_lock_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """Without its lock file no writer may open the log (two collectors could write it): the
+    collector says why in one line and exits 1, for its supervisor to start it again (it was a
+    traceback). The disk refusal is made at the lock's open, in the collector's own process."""
+    root, log = tmp_path / "containers", tmp_path / "log"
+    root.mkdir()
+    log.mkdir()
+    code = (
+        "import errno, os\n"
+        "from collector.cli import main\n"
+        "real = os.open\n"
+        "def refuse(path, flags, mode=0o777, **kw):\n"
+        "    if str(path).endswith('writer.lock'):\n"
+        "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))\n"
+        "    return real(path, flags, mode, **kw)\n"
+        "os.open = refuse\n"
+        f"raise SystemExit(main(['collect', '--root', {str(root)!r}, '--log', {str(log)!r},"
+        " '--node', 'n1', '--no-nvml', '--max-scans', '1']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"hami-usage collect: {log}: cannot create writer.lock: No space left on device"
+    ), proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from .. import settings_check as check
 from ..config import CollectConfig
-from ..transport.locallog import LogLockedError
+from ..transport.locallog import LogOpenError
 from .args import Command, UsageError, switch
 from .kafka import KAFKA_FLAGS, kafka_flags, kafka_security, start_logging
 from .settings import load_settings, machine
@@ -255,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
         asyncio.run(collect(settings))
     except KubeConfigError as exc:
         raise UsageError(f"hami-usage collect: {exc}") from None
-    except LogLockedError as exc:
+    except LogOpenError as exc:
         print(f"hami-usage collect: {exc}", file=sys.stderr)
         return 1
     except ListenError as exc:

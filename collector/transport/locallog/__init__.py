@@ -19,13 +19,14 @@ keeps the consumer checkpoints.
 from .checkpoint import CorruptCheckpointError
 from .frames import FRAME_OVERHEAD
 from .reader import LogReader, LogRecord, ReaderStats
-from .writer import LocalLog, LogLockedError, WriterStats
+from .writer import LocalLog, LogLockedError, LogOpenError, WriterStats
 
 __all__ = [
     "FRAME_OVERHEAD",
     "CorruptCheckpointError",
     "LocalLog",
     "LogLockedError",
+    "LogOpenError",
     "LogReader",
     "LogRecord",
     "ReaderStats",

@@ -58,7 +58,11 @@ _WRITE_BUFFER_BYTES = 64 * 1024
 _RETRY_EVERY_S = 0.1
 
 
-class LogLockedError(RuntimeError):
+class LogOpenError(RuntimeError):
+    """The log cannot be opened for writing; the message is one line."""
+
+
+class LogLockedError(LogOpenError):
     """Another process (or another LocalLog in this one) holds the log's writer lock."""
 
 
@@ -124,7 +128,12 @@ class LocalLog:
             raise
 
     def _lock(self) -> int:
-        fd = os.open(self._dir / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self._dir / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            # A first start on a full disk: without its lock no writer may open the log (a
+            # supervisor restarts the collector, which opens it once the disk takes the file).
+            raise LogOpenError(f"{self._dir}: cannot create {_LOCK_NAME}: {exc.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
