@@ -235,6 +235,10 @@ def test_the_lost_head_of_an_incarnation_begun_after_the_reader_came_in_is_a_gap
     assert damage((0, old + new[:2] + new[7:])) == (1, 5)
     assert damage((0, new[5:])) == (0, 0)
     assert damage((0, old), (1, new[5:])) == (0, 0)
+    # Two collectors under one node name, both running when the reader came in: the older
+    # sends after the newer's first event seen, so that one did not begin after the reader.
+    side_by_side = [e for pair in zip(old[5:], new[5:], strict=True) for e in pair]
+    assert damage((0, side_by_side)) == (0, 0)
 
 
 def test_dropped_events_are_seq_gaps(tmp_path: Path, stream: list[Msg]) -> None:

@@ -8,7 +8,9 @@ What a consumer (aggregate, replay, demo) can tell about its input besides the e
   an incarnation is where this reader came in, not a gap; so is the first one after a partition
   was assigned to this reader again (`forget_source`: another replica read what lies between).
   But an incarnation of a node this reader already read from that source began after it came
-  in: seqs below its first one seen were lost (a collector restarted on a full disk).
+  in: seqs below its first one seen were lost (a collector restarted on a full disk), unless
+  another incarnation of the node sends after it (two collectors live under one node name,
+  both already running when the reader came in): that gap is taken back.
 * from the local log: damaged frames passed over, deleted segments, records skipped, and a torn
   tail (the newest segment ends inside a frame and stays that way).
 
@@ -47,6 +49,8 @@ class DamageReport:
     # (source, node, inc): a node's events are in one source, read in its order
     _incs: dict[tuple[int, str, int], _Incarnation] = field(default_factory=dict)
     _nodes: set[tuple[int, str]] = field(default_factory=set)  # (source, node) read so far
+    # (source, node) -> (inc, seqs) of a gap counted at the head of its newest incarnation
+    _heads: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
 
     def see(self, node: str, event: Event, source: int = 0) -> None:
         """Every decoded event, in the order of its partition (duplicates included)."""
@@ -58,11 +62,16 @@ class DamageReport:
         """`see` for an event known by its (inc, seq) alone (not a heartbeat)."""
         key = (source, node, inc)
         known = self._incs.get(key)
+        if self._heads:
+            self._interleaved(source, node, inc)
         if known is None:
             known = self._incs[key] = _Incarnation(seq)
             if seq > 0 and (source, node) in self._nodes:
                 self.seq_gaps += 1  # it began after this reader came in: its head was lost
                 self.seq_missing += seq
+                self._heads[(source, node)] = (inc, seq)
+            else:
+                self._heads.pop((source, node), None)
             self._nodes.add((source, node))
         elif seq > known.highest:
             if seq > known.highest + 1:
@@ -71,12 +80,22 @@ class DamageReport:
             known.highest = seq
         return known
 
+    def _interleaved(self, source: int, node: str, inc: int) -> None:
+        """An event of `inc`: if a gap was counted at the head of another, newer incarnation of
+        the node, both send side by side, and that one was running before the reader came in."""
+        head = self._heads.get((source, node))
+        if head is not None and head[0] != inc and (source, node, inc) in self._incs:
+            self.seq_gaps -= 1
+            self.seq_missing -= head[1]
+            del self._heads[(source, node)]
+
     def forget_source(self, source: int) -> None:
         """`source` is read from a new position (a partition assigned again: what lies between
         was read by another replica): where this reader comes in again is not a gap."""
         for key in [k for k in self._incs if k[0] == source]:
             del self._incs[key]
         self._nodes = {k for k in self._nodes if k[0] != source}
+        self._heads = {k: v for k, v in self._heads.items() if k[0] != source}
 
     @property
     def dropped_by_collectors(self) -> int:
