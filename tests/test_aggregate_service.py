@@ -9,6 +9,7 @@ this process gives, and a few are also worked out by hand from the stream's form
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import uuid
@@ -45,6 +46,7 @@ from streams import (
 
 from collector.aggregate.records import BillingRecord, make_record_id
 from collector.aggregate.service import Checkpoint
+from collector.transport.locallog import LogReader
 
 SPEC = Spec()
 NODES = ("node-a", "node-b")
@@ -202,6 +204,35 @@ def test_a_drain_stopped_by_a_signal_says_so_and_exits_1(tmp_path: Path) -> None
     assert 0 < partial < len(reference(msgs))
     again = hami(*cmd)  # the same drain, uninterrupted, finishes from the commit
     assert again.returncode == 0, again.stderr
+    assert read_csv(csv) == csv_lines(reference(msgs))
+
+
+def test_a_first_start_killed_at_its_first_commit_left_what_it_committed(
+    tmp_path: Path,
+) -> None:
+    """A replica's first start commits its files' lengths at once: the CSV header counted in
+    that length must be on disk by then (killed right after, the restart found the file
+    shorter than its checkpoint and said so)."""
+    msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
+    _, csv, _, cmd = local_run(tmp_path, msgs)
+    code = (
+        "import os\n"
+        "from collector.cli import main\n"
+        "from collector.transport.locallog import LogReader\n"
+        "commit = LogReader.commit\n"
+        "def once(self, *a, **k):\n"
+        "    commit(self, *a, **k)\n"
+        "    os._exit(9)\n"
+        "LogReader.commit = once\n"
+        f"raise SystemExit(main({cmd!r}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 9, proc.stderr
+    committed = json.loads(LogReader(tmp_path / "log").committed("hami-usage-aggregator")[1])
+    assert csv.stat().st_size == committed["csv_bytes"] > 0
+    again = hami(*cmd)
+    assert again.returncode == 0 and "shorter than its checkpoint" not in again.stderr
     assert read_csv(csv) == csv_lines(reference(msgs))
 
 

@@ -347,6 +347,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         # First start of this group: commit where the files stand now, so a crash before the
         # first window closes cuts back to here rather than appending twice.
         # (the group's last emitted window stays: a replica's first start is not the group's)
+        outputs.write([])  # the new files' headers on disk before their lengths are committed
         meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
         reader.commit(settings.group, position, meta)
     last_commit = time.monotonic()
