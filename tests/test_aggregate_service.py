@@ -176,26 +176,32 @@ def test_local_log_service(tmp_path: Path) -> None:
     assert (csv.read_bytes(), jsonl.read_bytes()) == before
 
 
+def with_reader_hook(cmd: list[str], method: str, hook: str) -> subprocess.CompletedProcess[str]:
+    """`hami-usage *cmd` in a process whose `LogReader.<method>` runs `hook` (Python, with
+    `call()` the real method on the same arguments) the first time it is called."""
+    code = (
+        "import os, signal\n"
+        "from collector.cli import main\n"
+        "from collector.transport.locallog import LogReader\n"
+        f"real = LogReader.{method}\n"
+        "def first(self, *a, **k):\n"
+        f"    LogReader.{method} = real\n"
+        "    call = lambda: real(self, *a, **k)\n"
+        f"    {hook}\n"
+        f"LogReader.{method} = first\n"
+        f"raise SystemExit(main({cmd!r}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
 def test_a_drain_stopped_by_a_signal_says_so_and_exits_1(tmp_path: Path) -> None:
     """SIGTERM before the end of the input (sent here at the first read of the log): what was
     written stands, and a later --drain finishes it, but the run is not the whole input (it
     exited 0 with a sixth of the records)."""
     msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
     _, csv, _, cmd = local_run(tmp_path, msgs)
-    code = (
-        "import os, signal\n"
-        "from collector.cli import main\n"
-        "from collector.transport.locallog import LogReader\n"
-        "read = LogReader.read\n"
-        "def first(self, *a, **k):\n"
-        "    LogReader.read = read\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    return read(self, *a, **k)\n"
-        "LogReader.read = first\n"
-        f"raise SystemExit(main({cmd!r}))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = with_reader_hook(cmd, "read", "os.kill(os.getpid(), signal.SIGTERM); return call()")
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.endswith(
         "hami-usage aggregate: --drain stopped before the end of the input\n"
@@ -215,19 +221,7 @@ def test_a_first_start_killed_at_its_first_commit_left_what_it_committed(
     shorter than its checkpoint and said so)."""
     msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
     _, csv, _, cmd = local_run(tmp_path, msgs)
-    code = (
-        "import os\n"
-        "from collector.cli import main\n"
-        "from collector.transport.locallog import LogReader\n"
-        "commit = LogReader.commit\n"
-        "def once(self, *a, **k):\n"
-        "    commit(self, *a, **k)\n"
-        "    os._exit(9)\n"
-        "LogReader.commit = once\n"
-        f"raise SystemExit(main({cmd!r}))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = with_reader_hook(cmd, "commit", "call(); os._exit(9)")
     assert proc.returncode == 9, proc.stderr
     committed = json.loads(LogReader(tmp_path / "log").committed("hami-usage-aggregator")[1])
     assert csv.stat().st_size == committed["csv_bytes"] > 0
