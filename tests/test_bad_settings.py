@@ -358,6 +358,16 @@ def test_a_secret_given_to_an_option_that_does_not_exist_is_never_echoed(
     assert "s3cret" not in proc.stderr
 
 
+def test_a_secret_given_to_an_on_off_flag_is_never_echoed(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    proc = run("aggregate", "--log", paths["log"], "--drain=s3cret-value", cwd=tmp_path)
+    assert_one_line(
+        proc, "hami-usage aggregate: argument --drain: ignored explicit argument (value not shown)"
+    )
+    assert "s3cret" not in proc.stderr
+
+
 def test_a_secret_where_the_subcommand_goes_is_never_echoed(tmp_path: Path) -> None:
     proc = run("--kafka-password", "s3cret-value", "topics", "--kafka", "127.0.0.1:9", cwd=tmp_path)
     assert_one_line(

@@ -42,6 +42,9 @@ class Parser(argparse.ArgumentParser):
         elif head == "argument command":
             # A stray value where the subcommand goes: the value of an option given before it.
             message = _CHOICE.sub("invalid choice (choose", message)
+        else:
+            # `--drain=S3cret`: a value given to an on/off flag is named by argparse.
+            message = _IGNORED.sub("ignored explicit argument (value not shown)", message)
         raise UsageError(f"{self.prog}: {message}")
 
 
@@ -49,6 +52,7 @@ class Parser(argparse.ArgumentParser):
 # typed after an option that does not exist, `-S3cret`, is not an option name).
 _OPTION = re.compile(r"--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 _CHOICE = re.compile(r"invalid choice: .*? \(choose")
+_IGNORED = re.compile(r"ignored explicit argument .*", re.DOTALL)
 
 
 def positive(kind: Callable[[str], float], most: float = 86400.0) -> Callable[[str], float]:
