@@ -180,15 +180,7 @@ class LocalLog:
         consumer would skip. Its metadata is kept (the aggregator's says which windows it has
         emitted, so none is emitted twice). An unreadable checkpoint is left to its consumer.
         """
-        try:
-            names = sorted(os.listdir(self._dir / CONSUMERS_DIR))
-        except FileNotFoundError:
-            return
-        for name in names:
-            group = name.removesuffix(CHECKPOINT_SUFFIX)
-            if name == group or not GROUP_NAME.match(group):
-                continue
-            path = self._dir / CONSUMERS_DIR / name
+        for group, path in self._consumers():
             try:
                 checkpoint = load_checkpoint(path)
             except (CorruptCheckpointError, OSError):
@@ -405,22 +397,28 @@ class LocalLog:
         reading this log (it is stale, e.g. from a log that used to live here), so it only
         counts up to there. An unreadable checkpoint keeps everything.
         """
-        try:
-            names = os.listdir(self._dir / CONSUMERS_DIR)
-        except FileNotFoundError:
-            return None
         lowest: int | None = None
-        for name in names:
-            group = name.removesuffix(CHECKPOINT_SUFFIX)
-            if name == group or not GROUP_NAME.match(group):
-                continue  # temp files of an in-flight commit, strays
+        for _, path in self._consumers():
             try:
-                checkpoint = load_checkpoint(self._dir / CONSUMERS_DIR / name)
+                checkpoint = load_checkpoint(path)
             except CorruptCheckpointError:
                 return self.first_offset
             if checkpoint is not None and (lowest is None or checkpoint.offset < lowest):
                 lowest = checkpoint.offset
         return None if lowest is None else min(lowest, self._written_offset)
+
+    def _consumers(self) -> list[tuple[str, Path]]:
+        """(group, checkpoint file) of every consumer that committed, by group name."""
+        try:
+            names = sorted(os.listdir(self._dir / CONSUMERS_DIR))
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            group = name.removesuffix(CHECKPOINT_SUFFIX)
+            if name != group and GROUP_NAME.match(group):  # not a temp file of a commit, a stray
+                out.append((group, self._dir / CONSUMERS_DIR / name))
+        return out
 
     def _reject(self, n: int, reason: str) -> None:
         self.stats.rejected_records += 1
