@@ -10,8 +10,10 @@ offset, revive what had ended. The pod identities and GPU inventory statements a
 can still use are added by `Aggregator.needed_offsets` (`identity`, `inventory`). A new
 `Aggregator(emitted_until_ms=E)` fed from those offsets recomputes the windows ending at or
 before E and suppresses them. One node's events are assumed to stay in one source (the node is
-the Kafka key). Late events are classified against this instance's own closed end, so a
-restart can classify a late event differently; in-time input gives the same records.
+the Kafka key). Late events are classified against what the input read before them lets
+close, which a restart rebuilds from the input it reads again only as far as that input
+reaches, so a restart can classify a late event differently; in-time input gives the same
+records.
 """
 
 from __future__ import annotations

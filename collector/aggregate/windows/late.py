@@ -1,7 +1,8 @@
 """Late events: counted, never corrected.
 
-An event whose ts is before the end of the last window this instance closed is **late**. It is
-counted in `stats.late_events`. Closed windows are never revised: there are no correction
+An event whose ts is before the end of the windows the input read before it lets close (see
+`progress`; closed by `advance()` yet or not, so when `advance()` runs never decides it) is
+**late**. It is counted in `stats.late_events`. Closed windows are never revised: there are no correction
 records and `revision` is always 0 (the field is kept for evolution). The event still takes
 effect from the closed end onward, so the following windows are right: a late sample replaces a
 key's value unless a newer sample or an end of that key (or of its process or container), or a
@@ -50,7 +51,8 @@ __all__ = ["apply_late", "count_late"]
 
 
 def count_late(stats: AggregateStats) -> None:
-    """An event arrived after the window its ts lies in was closed (accounted when applied)."""
+    """An event arrived after the input let the window its ts lies in close (accounted when
+    applied)."""
     stats.late_events += 1
 
 

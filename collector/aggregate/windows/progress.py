@@ -105,8 +105,11 @@ class Progress:
             return True
         return False
 
-    def event(self, source: int, node: str, ts: int, record_ts_ms: int | None) -> None:
-        """An event that counts (after `offset()` for its record)."""
+    def event(self, source: int, node: str, ts: int, record_ts_ms: int | None) -> int:
+        """An event that counts (after `offset()` for its record). Returns a bound the
+        watermark's top is at or below now (the node is active, so its source's progress is
+        at most its newest ts, or the progress kept when it joined): an event at or above it
+        minus the lateness is in time without asking every source."""
         s = self._src[source]
         if record_ts_ms is None:
             rec = ts
@@ -134,6 +137,7 @@ class Progress:
             n.rec = rec
         if n.rec + self._idle < s.next_idle:
             s.next_idle = n.rec + self._idle
+        return n.top if n.top > s.floor else s.floor
 
     def idle(self, now_ms: int) -> None:
         """Record time `now_ms` has come (from other traffic): nodes of a source silent for
