@@ -1,11 +1,13 @@
 """`hami-usage replay`: the aggregate code over a past range of the event log.
 
-Reading starts `WindowSettings.lookback_ms` + slack before `--from` (found by record time): the
-same settings that decide how long a container's name is kept, so every value in effect at
-`--from` and every name still held there has been seen again. Reading a source stops once its
-watermark has passed `--to` (every window in the range closed as it did live), at the latest
-`close_after_ms` + slack after `--to` in record time, or at the end of the log. Only windows
-inside [from, to) are written. The records are the ones the live service wrote for the same
+Reading starts `WindowSettings.lookback_ms` (or the idle time, if longer) + slack before
+`--from` (found by record time): the same settings that decide how long a container's name is
+kept, so every value in effect at `--from` and every name still held there has been seen again,
+and so has every node that still held the windows open there (silent, but for less than the
+idle time). Reading a source stops once its watermark has passed `--to` (every window in the
+range closed as it did live), or at the end of the log; never on record time alone, since a
+spool drained after an outage sends events of the range long after it. Only windows inside
+[from, to) are written. The records are the ones the live service wrote for the same
 input, byte for byte, because they come from the same `Aggregator`.
 """
 
@@ -91,7 +93,7 @@ def missing_history(begin: int, first: int, first_ts: int | None, start_ms: int)
 
 def replay_start_ms(window: WindowSettings, rng: ReplayRange) -> int:
     """The record time reading starts at."""
-    return rng.from_ms - window.lookback_ms - SLACK_MS
+    return rng.from_ms - max(window.lookback_ms, window.idle_after_ms) - SLACK_MS
 
 
 def _in_range(r: BillingRecord, rng: ReplayRange) -> bool:
@@ -105,7 +107,6 @@ class Replay:
         self.window = window
         self.rng = rng
         self.stats = InputStats()
-        self.stop_ms = rng.to_ms + window.close_after_ms + SLACK_MS
         self.progress = Progress(total)
         self.finished: set[int] = set()  # sources read past the range
         self._aggs: dict[int, Aggregator] = {}
@@ -115,9 +116,6 @@ class Replay:
     def feed(self, batch: list[Raw]) -> None:
         for i, raw in enumerate(batch, start=1):
             if raw.source in self.finished:
-                continue
-            if raw.timestamp_ms > self.stop_ms:
-                self.finished.add(raw.source)
                 continue
             agg = self._aggs.setdefault(raw.source, Aggregator(self.window))
             self.fed_end = raw.offset + 1

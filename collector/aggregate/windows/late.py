@@ -2,13 +2,14 @@
 
 An event whose ts is before the end of the windows the input read before it lets close (see
 `progress`; closed by `advance()` yet or not, so when `advance()` runs never decides it) is
-**late**. It is counted in `stats.late_events`. Closed windows are never revised: there are no correction
-records and `revision` is always 0 (the field is kept for evolution). The event still takes
-effect from the closed end onward, so the following windows are right: a late sample replaces a
-key's value unless a newer sample or an end of that key (or of its process or container), or a
-heartbeat after it (which restated or ended every key of the container), is already known, and
-it keeps its own ts for the `max_gap_ms` cap; a late end ends only keys
-sampled before it; a late event refreshes presence only if it is newer than the last event seen.
+**late**. It is counted in `stats.late_events`. Closed windows are never revised: there are no
+correction records and `revision` is always 0 (the field is kept for evolution). The event still
+takes effect from that end (the closed end below) onward, so the following windows are right: a
+late sample replaces a key's value unless a newer sample or an end of that key (or of its
+process or container), or a heartbeat after it (which restated or ended every key of the
+container), is already known, and it keeps its own ts for the `max_gap_ms` cap; a late end ends
+only keys sampled before it; a late event refreshes presence only if it is newer than the last
+event seen.
 
 What the closed windows got wrong, in key-milliseconds, computed when the late event is applied
 (at the close after it arrived), each interval cut at the closed end `C`:

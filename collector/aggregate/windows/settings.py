@@ -61,15 +61,3 @@ class WindowSettings(msgspec.Struct, frozen=True):
         a shorter silence would find them closed live (on the clock) and open in a replay (on
         its next record), and the two would differ."""
         return max(self.idle_ms, self.max_gap_ms + self.lateness_ms + self.window_ms)
-
-    @property
-    def close_after_ms(self) -> int:
-        """How long after a window's end (in record time) it has closed at the latest: every
-        node either moved past it or turned idle, and every value reached its cap."""
-        return (
-            self.idle_after_ms
-            + self.max_skew_ms
-            + self.lateness_ms
-            + self.max_gap_ms
-            + self.window_ms
-        )
