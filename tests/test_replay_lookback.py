@@ -29,35 +29,6 @@ def stalled() -> list[Event]:
     return events
 
 
-def test_replay_after_a_170_s_stall_is_the_live_run(tmp_path: Path) -> None:
-    events = stalled()
-    agg = Aggregator(S)
-    live: list[BillingRecord] = []
-    for i, e in enumerate(events):
-        agg.add("n1", e, offset=i, record_ts_ms=e.ts)
-        live += agg.advance()
-    live += agg.flush()
-    rng = ReplayRange(T0 + 240_000, T0 + 360_000)
-    start = replay_start_ms(S, rng)
-    assert start <= T0 + 70_000 - S.max_skew_ms  # the last event before the stall is read
-    raws = [Raw(0, i, e.ts, b"n1", encode(e)) for i, e in enumerate(events) if e.ts >= start]
-    replay = Replay(len(raws), S, rng)
-    replay.feed(raws)
-    out = tmp_path / "replay.csv"
-    outputs = Outputs.open(str(out), None, None, Checkpoint())
-    try:
-        replay.finish(outputs)
-    finally:
-        outputs.close()
-    want = [r for r in live if rng.from_ms <= r.window_start_ms and r.window_end_ms <= rng.to_ms]
-
-    assert [r.samples for r in want if r.kind == "container"] == [
-        12,
-        2,
-    ]  # the stalled node's rows are attributed
-    assert read_csv(out) == csv_lines(want)
-
-
 def live_and_replay(
     msgs: list[tuple[str, Event, int]], settings_: WindowSettings, rng: ReplayRange, tmp: Path
 ) -> tuple[list[BillingRecord], list[str]]:
@@ -86,6 +57,16 @@ def live_and_replay(
         outputs.close()
     want = [r for r in live if rng.from_ms <= r.window_start_ms and r.window_end_ms <= rng.to_ms]
     return want, read_csv(out)
+
+
+def test_replay_after_a_170_s_stall_is_the_live_run(tmp_path: Path) -> None:
+    rng = ReplayRange(T0 + 240_000, T0 + 360_000)
+    # the last event before the stall is read
+    assert replay_start_ms(S, rng) <= T0 + 70_000 - S.max_skew_ms
+    want, got = live_and_replay([("n1", e, e.ts) for e in stalled()], S, rng, tmp_path)
+    # the stalled node's rows are attributed
+    assert [r.samples for r in want if r.kind == "container"] == [12, 2]
+    assert got == csv_lines(want)
 
 
 def sending(c: Collector, node: str, seconds: range) -> list[tuple[str, Event, int]]:
