@@ -296,6 +296,19 @@ def test_one_gpu_listed_twice_by_a_container_is_observed_once() -> None:
     assert c.sm_limit_percent_seconds == 60 * 60
 
 
+def test_the_gauges_add_up_a_gpu_listed_twice_as_its_record_does() -> None:
+    n = Node()
+    slices = [DeviceLimit(0, "GPU-A", 8 * GiB, 30), DeviceLimit(1, "GPU-A", 24 * GiB, 30)]
+    agg = Aggregator(WindowSettings())
+    agg.add("n1", n.appeared(0, 1, slices))
+    rows = [UsageRow(1, 1, 0, GiB, 0, 0, 0, 0, 10), UsageRow(1, 1, 1, 2 * GiB, 0, 0, 0, 0, 20)]
+    agg.add("n1", n.sample(1_000, 1, *rows))
+    assert [
+        (g.device_uuid, g.memory_used_bytes, g.memory_limit_bytes, g.sm_percent)
+        for g in agg.gauges()
+    ] == [("GPU-A", 3 * GiB, 32 * GiB, 30)]
+
+
 def test_fit_and_observed() -> None:
     assert fit([1, 2, 3], 10) == ([1, 2, 3], False)
     assert fit([5, 5, 5], 10) == ([4, 3, 3], True)  # largest remainder, ties to the first

@@ -87,6 +87,7 @@ def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]
                 u[0] += v[0]
                 u[1] += v[1]
                 u[2] += v[2]
+        limits: dict[str, int] = {}  # a GPU listed at several indices: its slices add up
         for dev in set(usage) | (set(table) if present else set()):
             if dev not in table:
                 continue
@@ -94,9 +95,13 @@ def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]
             u = usage.get(dev, [0, 0, 0])
             g = rows.setdefault((tr.node, ident[0], ident[1], uuid), [0, 0, 0, 0])
             g[0] += u[0]
-            g[1] = max(g[1], limit if present else 0)
+            limits[uuid] = limits.get(uuid, 0) + (limit if present else 0)
             g[2] += u[2]
             g[3] += u[1]
+        for uuid, limit in limits.items():
+            # An older and a newer track of one container name one row: its limit once.
+            g = rows[(tr.node, ident[0], ident[1], uuid)]
+            g[1] = max(g[1], limit)
     return [
         Gauge(
             node=node,
