@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .events import MAX_BYTES
 from .layout.declarations import LAYOUTS, MAGIC, MAX_DEVICES, MAX_PROCS, Layout
+from .layout.reader import unbillable
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -266,11 +266,10 @@ class CacheWriter:
             if slot.pid == 0 or slot.status == 0:
                 continue
             for d in range(len(self.devices)):
-                mem, sm = out.get(d, (0, 0))
-                if slot.used[d].total > MAX_BYTES:
-                    continue  # wrapped (HAMi #1181): flagged by the reader, never billed
                 util = slot.device_util[d].sm_util if has_util else 0
-                out[d] = (mem + slot.used[d].total, sm + util)
+                if billed(slot, d, util):
+                    mem, sm = out.get(d, (0, 0))
+                    out[d] = (mem + slot.used[d].total, sm + util)
         return out
 
     def kernel_launched(self, when: float) -> None:
@@ -279,6 +278,15 @@ class CacheWriter:
 
 
 # --- a node full of containers ------------------------------------------------------------
+
+
+def billed(slot: Any, d: int, util: int) -> bool:
+    """Whether a slot's row for device `d` is billed: not when any counter is beyond a device
+    (wrapped below zero, HAMi #1181), which the reader flags and leaves out."""
+    u = slot.used[d]
+    return not unbillable(
+        u.context_size, u.module_size, u.data_size, u.total, slot.monitorused[d], util
+    )
 
 
 def pod_dir(root: Path, pod_uid: str, container: str) -> Path:

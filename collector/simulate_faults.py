@@ -26,9 +26,8 @@ from collections.abc import Iterable, Set
 from pathlib import Path
 from typing import Any
 
-from .events import MAX_BYTES
 from .layout.declarations import MAX_DEVICES, MAX_PROCS, Layout
-from .simulate import CacheWriter, MiB, NodeSimulator, SimDevice
+from .simulate import CacheWriter, MiB, NodeSimulator, SimDevice, billed
 
 FAULTS = ("killed-mid-update", "stale-pointer", "stale-util", "real-semaphores")
 
@@ -105,7 +104,9 @@ class FaultyWriter(CacheWriter):
                 # the moved process's stale pointer keeps writing it.
                 self._remove(k, clear=False)
                 if last != k and mover != 0 and mover not in dead_pids:
-                    self.pointer[mover] = last
+                    # A process stranded before keeps its cached pointer: what moved now is
+                    # its frozen copy, not where it writes.
+                    self.pointer.setdefault(mover, last)
                     moved.append(mover)
             else:
                 k += 1
@@ -146,11 +147,10 @@ class FaultyWriter(CacheWriter):
             seen.add(slot.pid)
             watched = copies.get(slot.pid, slot)
             for d in range(len(self.devices)):
-                mem, sm = out.get(d, (0, 0))
-                if slot.used[d].total > MAX_BYTES:
-                    continue  # wrapped (HAMi #1181): flagged by the reader, never billed
                 util = watched.device_util[d].sm_util if has_util else 0
-                out[d] = (mem + slot.used[d].total, sm + util)
+                if billed(slot, d, util):
+                    mem, sm = out.get(d, (0, 0))
+                    out[d] = (mem + slot.used[d].total, sm + util)
         return out
 
     # --- the watcher that forgets devices >= 1 --------------------------------------------

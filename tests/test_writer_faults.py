@@ -160,6 +160,31 @@ def test_a_stale_slot_pointer_after_compaction_is_followed(
     assert rows(s.scan()) == {(12, 0): 3 * GiB}  # followed from then on
 
 
+def test_a_process_stranded_twice_keeps_writing_where_its_pointer_was(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    w, s = stranded(tmp_path, writers)
+    w.exit(10)
+    w.compact()  # 12's frozen copy moves from slot 1 to 0; 12 itself still writes slot 2
+    assert (w.proc_num, w.pointer) == (1, {12: 2})
+    w.add_memory(12, 0, "data", GiB)
+    s.scan()
+    assert billed(s) == truth(w) == {0: 2 * GiB, 1: 0}
+
+
+def test_the_ground_truth_leaves_out_a_row_the_reader_cannot_bill(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    w = writer(tmp_path, writers)
+    w.add_process(10, 1010)
+    w.add_memory(10, 0, "data", GiB)
+    w.add_memory(10, 1, "data", GiB)
+    w.add_memory(10, 0, "context", -MiB)  # below zero as a u64; the total stays positive
+    s = scanner(tmp_path)
+    assert kinds(s.scan()) == [("counter_wrapped", 0, (1 << 64) - MiB)]
+    assert billed(s) == truth(w) == {1: GiB}
+
+
 def test_without_a_seqlock_a_stale_pointer_is_followed_while_its_copy_below_stays(
     tmp_path: Path, writers: list[FaultyWriter]
 ) -> None:

@@ -279,7 +279,7 @@ def _parse_proc(
     ):
         if d >= ndev and not (ctx or mod or data or total or monitor or sm):
             continue
-        if ctx | mod | data | total | monitor > MAX_BYTES or sm > MAX_PERCENT:
+        if unbillable(ctx, mod, data, total, monitor, sm):
             # Never billed nor sent: the device's row is left out of the slot.
             _impossible(k, d, ctx, mod, data, total, monitor, sm, anomalies)
             continue
@@ -302,6 +302,13 @@ def parse_slot(
     live_used = [0] * MAX_DEVICES
     proc = _parse_proc(_codec(layout), _short(layout, ndev), k, raw, ndev, live_used, anomalies)
     return proc, anomalies
+
+
+def unbillable(ctx: int, mod: int, data: int, total: int, monitor: int, sm: int) -> bool:
+    """Whether a device's counters in a slot are beyond any device (a u64 gone below zero among
+    them): its row is left out of the slot, never billed (the simulator's ground truth asks
+    the same)."""
+    return ctx | mod | data | total | monitor > MAX_BYTES or sm > MAX_PERCENT
 
 
 def _impossible(
