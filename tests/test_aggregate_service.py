@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import msgspec
 import pytest
 from streams import (
+    HAMI_USAGE,
     SM_LIMIT,
     T0_MS,
     WINDOW_FLAGS,
@@ -27,6 +30,7 @@ from streams import (
     committed_metadata,
     create_topic,
     csv_lines,
+    env,
     final_report,
     hami,
     limit_bytes,
@@ -211,6 +215,30 @@ def test_a_drain_stopped_by_a_signal_says_so_and_exits_1(tmp_path: Path) -> None
     again = hami(*cmd)  # the same drain, uninterrupted, finishes from the commit
     assert again.returncode == 0, again.stderr
     assert read_csv(csv) == csv_lines(reference(msgs))
+
+
+@pytest.mark.parametrize("drain", [False, True])
+def test_a_signal_while_waiting_for_the_broker_stops_at_once(tmp_path: Path, drain: bool) -> None:
+    """No broker (a closed port): start-up waits up to 60 s for one, but SIGTERM ends the wait
+    (it used to be ignored until the minute was up). A service stops with 0; a drain that read
+    nothing did not finish its input: 1."""
+    cmd = ["aggregate", "--kafka", "127.0.0.1:1", "--health-port", "0", "--csv", tmp_path / "o.csv"]
+    proc = subprocess.Popen(
+        [str(HAMI_USAGE), *map(str, cmd + (["--drain"] if drain else []))],
+        stderr=subprocess.PIPE, text=True, env=env(),
+    )  # fmt: skip
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the health server starts after the signal handlers
+        if "health on" in line:
+            break
+    time.sleep(1)  # well into the wait for the broker
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=30) == (1 if drain else 0), rest
+    assert time.monotonic() - started < 10
+    assert "stopped while waiting for the broker at 127.0.0.1:1: nothing was read" in rest
+    assert "Traceback" not in rest
 
 
 def test_a_first_start_killed_at_its_first_commit_left_what_it_committed(

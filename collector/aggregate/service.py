@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
@@ -502,7 +502,10 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
 
     outputs: Outputs | None = None
     try:
-        await wait_for_broker(settings.kafka, settings.start_timeout_s, settings.security)
+        broker = wait_for_broker(settings.kafka, settings.start_timeout_s, settings.security)
+        if not await _unless_stopped(broker, stopping):
+            log.info("stopped while waiting for the broker at %s: nothing was read", settings.kafka)
+            return Outputs()
         consumer.subscribe([settings.topic], listener=Rebalance())
         if settings.topics:
             from ..transport.topics import warn_on_mismatch
@@ -580,6 +583,25 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         await producer.stop()
         await admin.close()
     return outputs if outputs is not None else Outputs()
+
+
+async def _unless_stopped(work: Coroutine[Any, Any, None], stopping: asyncio.Event) -> bool:
+    """`work` to its end, unless a stop signal comes first (a pod deleted while its broker is
+    away must not wait out `start_timeout_s`): then it is cancelled. Whether it ended."""
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        ended = task.done()
+        if not ended:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # (it closes its client)
+    if not ended:
+        return False
+    task.result()  # (what it raised)
+    return True
 
 
 class CheckpointUnavailable(Exception):
