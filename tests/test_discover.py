@@ -151,6 +151,26 @@ def test_names_that_are_not_utf8_are_reported_not_read(tmp_path: Path) -> None:
     assert all(decode(encode(e)) == e for e in events)  # every event goes out
 
 
+def test_a_root_whose_name_is_not_utf8_is_read_and_named_escaped(tmp_path: Path) -> None:
+    """The root is the operator's: it is read, and the paths events carry begin with it
+    escaped (the first event's encoding raised UnicodeEncodeError)."""
+    root = Path(os.fsdecode(os.fsencode(tmp_path) + b"/root\xff"))
+    ok = touch_cache(root / f"{POD}_main")
+    with open(os.fsencode(root) + b"/" + POD.encode() + b"_main/b\xe9.cache", "wb"):
+        pass
+    shown = f"{tmp_path}/root\\xff"
+    files, skipped = Discovery(root).scan()
+    assert files == [CacheFile(POD, "main", f"{shown}/{POD}_main/a.cache", ok.stat().st_ino,
+                               ok.stat().st_dev)]  # fmt: skip
+    assert skipped == [Skipped(f"{shown}/{POD}_main/b\\xe9.cache", NOT_UTF8)]
+    events = Scanner(root, heartbeat_s=1, inc=1).scan(now_ms=1_700_000_000_000)
+    assert {e.path for e in events if hasattr(e, "path")} == {
+        f"{shown}/{POD}_main/a.cache",
+        f"{shown}/{POD}_main/b\\xe9.cache",
+    }
+    assert all(decode(encode(e)) == e for e in events)
+
+
 def test_fifo_named_cache_is_skipped_not_opened(tmp_path: Path) -> None:
     d = tmp_path / f"{POD}_main"
     d.mkdir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -175,3 +176,18 @@ def test_table_of_an_uninitialised_file(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert "layout unknown" in proc.stdout
     assert "anomaly not_initialized" in proc.stdout
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "table"])
+def test_a_path_whose_name_is_not_utf8_is_shown_escaped(tmp_path: Path, as_json: bool) -> None:
+    """README: every problem but an unopenable path is an anomaly, exit 0 (`--json` raised
+    UnicodeEncodeError on the surrogates the name is held as)."""
+    path = Path(os.fsdecode(os.fsencode(tmp_path) + b"/bad\xff.cache"))
+    path.write_bytes(b"\0" * 64)
+    proc = cli("inspect", *(["--json"] if as_json else []), str(path))
+    assert (proc.returncode, proc.stderr) == (0, "")
+    shown = f"{tmp_path}/bad\\xff.cache"
+    if as_json:
+        assert json.loads(proc.stdout)["path"] == shown
+    else:
+        assert proc.stdout.startswith(f"{shown}: 64 bytes, layout unknown\n")

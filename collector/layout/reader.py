@@ -21,7 +21,15 @@ import msgspec
 from ..events import MAX_BYTES, MAX_PERCENT
 from .declarations import LAYOUTS, MAX_DEVICES, MAX_PROCS, UUID_LEN, Layout
 from .detect import HEADER_BYTES, Detection, detect
-from .snapshot import Anomaly, DeviceInfo, DeviceUsage, ProcSnapshot, Snapshot, empty_snapshot
+from .snapshot import (
+    Anomaly,
+    DeviceInfo,
+    DeviceUsage,
+    ProcSnapshot,
+    Snapshot,
+    empty_snapshot,
+    shown_path,
+)
 
 U64_MASK = (1 << 64) - 1
 _LOW_BIT = bytes(b & 1 for b in range(256))  # bytes.translate table: each byte -> its low bit
@@ -900,6 +908,6 @@ def read_snapshot(path: str | os.PathLike[str], *, retries: int = DEFAULT_RETRIE
     # O_NONBLOCK: a hostile FIFO named *.cache must not hang the open.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     try:
-        return snapshot_fd(fd, os.fspath(path), retries=retries)
+        return snapshot_fd(fd, shown_path(os.fspath(path)), retries=retries)
     finally:
         os.close(fd)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 
@@ -45,8 +47,14 @@ class ProcSnapshot(msgspec.Struct, frozen=True):
         return self.pid != 0
 
 
+def shown_path(path: str) -> str:
+    """A path as events and `inspect` carry it: a name that is not UTF-8 (its bytes held as
+    surrogates) has them escaped, `\\xff`, since no encoder takes a surrogate."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 class Snapshot(msgspec.Struct, frozen=True):
-    path: str
+    path: str  # shown_path(): always UTF-8
     size: int
     initialized: bool
     layout: str | None

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from ..layout.snapshot import shown_path
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO named *.cache must not hang the open; O_NOCTTY: nor a tty become ours.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
@@ -139,6 +141,9 @@ class _Dir:
 class Discovery:
     def __init__(self, root: Path, limits: ListingLimits | None = None) -> None:
         self.root = root
+        # The root is the operator's and may not be UTF-8: the paths below it that events carry
+        # begin with it escaped; it is opened by its own name.
+        self.shown_root = shown_path(os.fspath(root))
         self.limits = limits or ListingLimits()
         self.stats = ListingStats()
         self._dirs: dict[str, _Dir] = {}
@@ -192,18 +197,18 @@ class Discovery:
             # scandir(fd) lists a dup of the descriptor: ours keeps its offset for openat.
             entries = sorted(os.scandir(self._root_fd), key=lambda e: e.name)  # stable cid order
         except OSError as exc:
-            self.unlisted.add(str(self.root))
-            return [], [Skipped(str(self.root), f"cannot list the root: {exc.strerror}")]
+            self.unlisted.add(self.shown_root)
+            return [], [Skipped(self.shown_root, f"cannot list the root: {exc.strerror}")]
         skipped: list[Skipped] = []
         dirs: list[tuple[str, str, int]] = []  # (name, path, mtime_ns) of container directories
         held = self._held
         still: set[str] = set()  # kept directories that are still the same directory
-        paths, root, root_fd = self._paths, self.root, self._root_fd
+        paths, root, root_fd = self._paths, self.shown_root, self._root_fd
         old = time.time_ns() - TIMESTAMP_WINDOW_NS
         for entry in entries:
             name = entry.name
             if not name.isascii() and not _utf8(name):
-                skipped.append(Skipped(_shown(self.root, name), NOT_UTF8))
+                skipped.append(Skipped(shown_path(os.path.join(root, name)), NOT_UTF8))
                 continue
             path = paths.get(name)
             if path is None:
@@ -264,7 +269,7 @@ class Discovery:
         listed = {f.path for f in files}
         for dir_name, h in self._held.items():
             if h.files:
-                directory = os.path.join(self.root, dir_name)
+                directory = os.path.join(self.shown_root, dir_name)
                 for name in [n for n in h.files if os.path.join(directory, n) not in listed]:
                     self._drop_file(h, name)
 
@@ -336,7 +341,7 @@ class Discovery:
             os.close(fd)
         for entry in sorted(found, key=lambda e: e.name):
             if not entry.name.isascii() and not _utf8(entry.name):
-                d.skipped.append(Skipped(_shown(path, entry.name), NOT_UTF8))
+                d.skipped.append(Skipped(shown_path(os.path.join(path, entry.name)), NOT_UTF8))
                 continue
             file_path = os.path.join(path, entry.name)
             try:
@@ -507,8 +512,3 @@ def _utf8(name: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _shown(directory: Path | str, name: str) -> str:
-    """The path of a name that is not UTF-8, its bytes escaped (\\xff), as events carry it."""
-    return os.path.join(directory, os.fsencode(name).decode("utf-8", "backslashreplace"))

@@ -220,7 +220,7 @@ class Scanner:
         (EMFILE, EIO, a remount): unusable for this scan, like a file that cannot be opened
         (diff keeps their processes, and the next good scan restates them), not gone."""
         unlisted = self.discovery.unlisted
-        whole = str(self.discovery.root) in unlisted
+        whole = self.discovery.shown_root in unlisted
         events: list[Event] = []
         for key in sorted(self._files.keys() - present.keys()):
             folder = os.path.dirname(key[0])
@@ -283,7 +283,7 @@ class Scanner:
         event: Event = self._stamp(
             LayoutAnomaly,
             cid=-1,
-            path=str(self.discovery.root),
+            path=self.discovery.shown_root,
             anomaly="clock_step",
             detail=detail,
             value=step.ms,
