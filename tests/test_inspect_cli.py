@@ -191,3 +191,16 @@ def test_a_path_whose_name_is_not_utf8_is_shown_escaped(tmp_path: Path, as_json:
         assert json.loads(proc.stdout)["path"] == shown
     else:
         assert proc.stdout.startswith(f"{shown}: 64 bytes, layout unknown\n")
+
+
+def test_the_table_escapes_control_bytes_of_a_stored_uuid(tmp_path: Path) -> None:
+    """A tenant's newline and ESC in a UUID forged a row of the table and coloured it."""
+    path = tmp_path / "c.cache"
+    w = CacheWriter(path, LAYOUTS["v1.2"], [SimDevice(u, 2 * 1024 * MiB) for u in UUIDS])
+    w.region.uuids[0].value = b"GPU-\n\x1b[31mFAKE ROW\x1b[0m\r"
+    w.close()
+    proc = cli("inspect", str(path))
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.splitlines()[4] == (
+        "  0  GPU-\\x0a\\x1b[31mFAKE ROW\\x1b[0m\\x0d              2048.0   100"
+    )

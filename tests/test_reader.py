@@ -559,7 +559,7 @@ def test_device_num_out_of_range(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_invalid_uuid(tmp_path: Path, name: str) -> None:
     path = tmp_path / "c.cache"
-    devices = [SimDevice(UUID0, GiB)] * 5
+    devices = [SimDevice(UUID0, GiB)] * 6
     w = CacheWriter(path, LAYOUTS[name], devices)
     uuids = w.region.uuids
     uuids[1].value = b"garbage\xff"
@@ -567,6 +567,7 @@ def test_invalid_uuid(tmp_path: Path, name: str) -> None:
     for i in range(96):  # no NUL anywhere in the 96 bytes
         uuids[3][i] = b"G"
     uuids[4].value = b"GPU-ab cd"  # a space inside
+    uuids[5].value = b"GPU-\n\x1b[31mFAKE\r\x7f"  # control bytes: escaped, never printed as such
     del uuids  # a ctypes view keeps the mapping open
     doc = inspect_json(path)
     assert [d["uuid"] for d in doc["devices"]] == [
@@ -575,9 +576,10 @@ def test_invalid_uuid(tmp_path: Path, name: str) -> None:
         "GPU-",
         "G" * 96,
         "GPU-ab cd",
+        "GPU-\\x0a\\x1b[31mFAKE\\x0d\\x7f",
     ]
     assert kinds(doc) == sorted(
-        [*expected_anomalies(name)] + [("invalid_uuid", None, d, None) for d in (1, 2, 3, 4)],
+        [*expected_anomalies(name)] + [("invalid_uuid", None, d, None) for d in range(1, 6)],
         key=repr,
     )
     w.close()

@@ -166,7 +166,9 @@ _UUID = re.compile(rb"(?:GPU|MIG)-[\x21-\x7e]+")  # NVML UUID: prefix, printable
 def _uuid(raw: bytes) -> tuple[str, bool]:
     end = raw.find(b"\0")
     text = raw if end < 0 else raw[:end]
-    shown = text.decode("ascii", "backslashreplace")
+    # Escaped where not printable ASCII: a newline or ESC would forge rows in inspect's table,
+    # and a UUID reaches events and metric labels as it is shown here.
+    shown = "".join(chr(b) if 0x20 <= b <= 0x7E else f"\\x{b:02x}" for b in text)
     valid = end >= 0 and _UUID.fullmatch(text) is not None
     return shown, valid
 
