@@ -201,9 +201,11 @@ def _from_env(cls: type[msgspec.Struct], env: Mapping[str, str]) -> dict[str, An
 
 def _from_toml(path: Path, section: str) -> dict[str, Any]:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(check.small_file(path).decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"config {path}: {exc.strerror}") from None
+    except check.SettingError as exc:
+        raise ConfigError(f"config {path}: {exc}") from None
     except UnicodeDecodeError as exc:  # TOML is UTF-8; the bytes are not shown
         raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:

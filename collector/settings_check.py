@@ -21,6 +21,7 @@ MAX_PATH = 4096  # PATH_MAX on Linux
 MAX_NAME = 249  # Kafka's limit on topic names; group and transactional ids are held to it too
 MAX_NODE = 253  # a Kubernetes node name is a DNS subdomain
 MAX_BOOTSTRAP = 4096
+MAX_SETTING_FILE = 1 << 20  # a config or password file; more is no such file
 
 _KAFKA_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?"  # '_' too: some hosts file names have it
@@ -182,6 +183,31 @@ def writable_dir(flag: str, value: str) -> None:
         raise SettingError(f"{flag} {value}: {exc.strerror}") from None
     if not os.access(value, os.W_OK | os.X_OK):
         raise SettingError(f"{flag} {value}: not writable")
+
+
+def small_file(value: str | os.PathLike[str]) -> bytes:
+    """The bytes of a file of settings (`--config`, a password file). Only a regular file of at
+    most MAX_SETTING_FILE bytes: /dev/zero never ends and a FIFO waits for a writer forever.
+    OSError when it cannot be opened or read; SettingError (the reason, without the path)
+    when it is not such a file."""
+    # O_NONBLOCK: opening a FIFO does not wait for a writer before fstat refuses it.
+    fd = os.open(value, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise SettingError("is a directory")
+        if not stat.S_ISREG(mode):
+            raise SettingError("not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, MAX_SETTING_FILE + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_SETTING_FILE:
+                raise SettingError(f"larger than {MAX_SETTING_FILE} bytes")
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 def writable_file(flag: str, value: str) -> None:

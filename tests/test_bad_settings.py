@@ -265,6 +265,40 @@ def test_a_config_file_that_is_not_utf8(tmp_path: Path, command: str) -> None:
     assert_one_line(proc, f"hami-usage {command}: config {config}: not UTF-8 text (byte 11)")
 
 
+def _not_a_settings_file(tmp_path: Path, kind: str) -> tuple[str, str]:
+    """(path, why) of something a settings file must not be: /dev/zero never ends (a
+    MemoryError), a FIFO waits for a writer (it hung), and a file over 1 MiB is no config."""
+    if kind == "dev-zero":
+        return "/dev/zero", "not a regular file"
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+        return str(path), "not a regular file"
+    if kind == "folder":
+        path.mkdir()
+        return str(path), "is a directory"
+    path.write_bytes(b"#" * (1 << 20) + b"\n")
+    return str(path), "larger than 1048576 bytes"
+
+
+KINDS = ["dev-zero", "fifo", "folder", "over-1-MiB"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_config_that_is_no_regular_file_of_at_most_1_mib(tmp_path: Path, kind: str) -> None:
+    config, why = _not_a_settings_file(tmp_path, kind)
+    proc = run("topics", "--config", config, "--kafka", "127.0.0.1:9", cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage topics: config {config}: {why}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_password_file_that_is_no_regular_file_of_at_most_1_mib(
+    tmp_path: Path, kind: str
+) -> None:
+    secret, why = _not_a_settings_file(tmp_path, kind)
+    proc = run(*SASL, secret, cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage aggregate: kafka_password_file {secret}: {why}")
+
 @pytest.mark.parametrize(
     "args,message",
     [

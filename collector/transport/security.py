@@ -21,6 +21,8 @@ from aiokafka.errors import (
     TransactionalIdAuthorizationFailed,
 )
 
+from .. import settings_check as check
+
 Protocol = Literal["PLAINTEXT", "SSL", "SASL_SSL"]
 Mechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
@@ -125,9 +127,11 @@ def read_password(path: str | None, env_value: str | None) -> str | None:
     """The password from its file (one trailing newline dropped) or, failing that, the env."""
     if path:
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = check.small_file(path).decode("utf-8")
         except OSError as exc:
             raise SecurityError(f"kafka_password_file {path}: {exc.strerror}") from None
+        except check.SettingError as exc:
+            raise SecurityError(f"kafka_password_file {path}: {exc}") from None
         except UnicodeDecodeError:  # its bytes are the secret: never shown
             raise SecurityError(f"kafka_password_file {path}: not UTF-8 text") from None
         return text.removesuffix("\n")
