@@ -57,7 +57,7 @@ class KafkaClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 class CollectConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
     root: str = "/usr/local/vgpu/containers"
-    node: str = ""  # empty: $NODE_NAME, else the host name
+    node: str | None = None  # none: $NODE_NAME, else the host name; "" is refused
     kafka: str | None = None  # bootstrap servers; none: the embedded local log
     topic: str = "hami.usage.v1"
     log: str = "/var/lib/hami-usage/events"  # the embedded log, or the spool with --kafka
@@ -100,7 +100,7 @@ class CollectConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown
     def __post_init__(self) -> None:
         super().__post_init__()
         check.path("root", self.root)
-        if self.node:  # empty: taken from $NODE_NAME or the host name at start
+        if self.node is not None:
             check.node_name("node", self.node)
         check.bootstrap("kafka", self.kafka)
         check.kafka_name("topic", self.topic)

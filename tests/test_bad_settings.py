@@ -62,7 +62,7 @@ COLLECT = [
         "invalid setting node: 'nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn'... "
         "is not 1 to 253 printable characters without spaces",
     ),
-    (["--node", ""], "--node must not be empty"),
+    (["--node", ""], "invalid setting node: must not be empty"),
     (
         ["--topic", "a/b"],
         "invalid setting topic: 'a/b' is not 1 to 249 of the characters A-Z a-z 0-9 . _ -",
@@ -105,6 +105,20 @@ def test_collect_node_name_from_the_environment_is_checked_too(tmp_path: Path) -
         "spaces (from $NODE_NAME or the host name)",
     )
 
+
+@pytest.mark.parametrize("where", ["flag", "env", "toml"])
+def test_an_empty_node_is_refused_wherever_it_is_set(
+    paths: dict[str, str], tmp_path: Path, where: str
+) -> None:
+    """From the environment or TOML it was silently taken for the host name."""
+    config = tmp_path / "c.toml"
+    config.write_text('[collect]\nnode = ""\n')
+    args = {"flag": ["--node", ""], "env": [], "toml": ["--config", str(config)]}[where]
+    env = {"HAMI_USAGE_NODE": ""} if where == "env" else {}
+    proc = run("collect", "--root", paths["root"], "--log", paths["log"], "--max-scans", "1",
+               *args, cwd=tmp_path, extra_env=env)  # fmt: skip
+    assert_one_line(proc, "hami-usage collect: invalid setting node: must not be empty")
+    assert os.listdir(paths["log"]) == []
 
 def test_collect_metrics_port_in_use(paths: dict[str, str], tmp_path: Path) -> None:
     with socket.socket() as taken:

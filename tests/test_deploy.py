@@ -537,7 +537,7 @@ def test_k8s_command_lines_parse_and_resolve(
         assert settings.root == "/usr/local/vgpu/containers"
         assert settings.log.startswith("/var/lib/hami-usage/")
         assert settings.host_proc == "/proc"
-        assert settings.node == ""  # so the collector takes NODE_NAME
+        assert settings.node is None  # so the collector takes NODE_NAME
     else:
         assert isinstance(settings, AggregateConfig)
         assert settings.instance == FIELD_VALUES[POD_INDEX]

@@ -195,8 +195,6 @@ def _run(args: argparse.Namespace) -> int:
     from ..transport.http import ListenError
     from ..transport.kafka import ProducerSettings
 
-    if args.node == "":
-        raise UsageError("hami-usage collect: --node must not be empty")
     cfg = load_settings(args, CollectConfig, "collect", COLLECT_FLAGS)
     root = Path(cfg.root)
     node = cfg.node or os.environ.get("NODE_NAME") or socket.gethostname()
