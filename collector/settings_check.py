@@ -185,6 +185,22 @@ def writable_dir(flag: str, value: str) -> None:
         raise SettingError(f"{flag} {value}: not writable")
 
 
+def distinct_files(outputs: list[tuple[str, str]]) -> None:
+    """The (flag, path) outputs of one command are different files: two writers of one file
+    lose what the first wrote (a symlink or `./x` for `x` is the same file too)."""
+    for i, (flag, value) in enumerate(outputs):
+        for other_flag, other in outputs[:i]:
+            if _same_file(value, other):
+                raise SettingError(f"{other_flag} {other} and {flag} {value} are the same file")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist yet: where it will be
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def small_file(value: str | os.PathLike[str]) -> bytes:
     """The bytes of a file of settings (`--config`, a password file). Only a regular file of at
     most MAX_SETTING_FILE bytes: /dev/zero never ends and a FIFO waits for a writer forever.

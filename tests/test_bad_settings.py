@@ -249,6 +249,32 @@ def test_replay_checks_its_outputs_and_numbers(paths: dict[str, str], tmp_path: 
     assert not Path(csv).exists()
 
 
+@pytest.mark.parametrize("command", ["aggregate", "replay", "report"])
+@pytest.mark.parametrize("how", ["same", "dot-slash", "symlink", "new"])
+def test_two_outputs_that_are_one_file_are_refused(
+    paths: dict[str, str], tmp_path: Path, command: str, how: str
+) -> None:
+    """The second writer replaced what the first wrote (the CSV was lost without a word)."""
+    out = tmp_path / "out"
+    if how != "new":
+        out.write_text("")
+    second = {"same": "out", "dot-slash": "./out", "symlink": "link", "new": "out"}[how]
+    (tmp_path / "link").symlink_to("out")
+    span = ["--from", "2024-01-01T00:00Z", "--to", "2024-01-02T00:00Z"]
+    first, other = ("--out-csv", "--html") if command == "report" else ("--csv", "--jsonl")
+    args = {
+        "aggregate": ["--log", paths["log"], "--drain"],
+        "replay": ["--log", paths["log"], *span],
+        "report": [*span, "--csv", paths["file"]],
+    }[command]
+    proc = run(command, *args, first, "out", other, second, cwd=tmp_path)
+    assert_one_line(
+        proc, f"hami-usage {command}: {first} out and {other} {second} are the same file"
+    )
+    assert os.listdir(paths["log"]) == []
+    assert sorted(os.listdir(tmp_path)) == sorted(["a-file", "link", "log", "root"]
+                                                  + (["out"] if how != "new" else []))  # fmt: skip
+
 @pytest.mark.parametrize("window", ["0.0005", "0.0015"])
 def test_replay_refuses_a_window_of_part_of_a_millisecond(
     paths: dict[str, str], tmp_path: Path, window: str

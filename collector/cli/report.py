@@ -81,6 +81,8 @@ def _run(args: argparse.Namespace) -> int:
             check.writable_file("--out-csv", args.out_csv)
         if args.html:
             check.writable_file("--html", args.html)
+        if args.out_csv and args.html:
+            check.distinct_files([("--out-csv", args.out_csv), ("--html", args.html)])
     report_args = ReportArgs(
         from_ms=from_ms,
         to_ms=to_ms,

@@ -58,6 +58,8 @@ def check_outputs(section: str, cfg: ReplayConfig) -> None:
             check.writable_file("--csv", cfg.csv)
         if cfg.jsonl:
             check.writable_file("--jsonl", cfg.jsonl)
+        if cfg.csv and cfg.jsonl:
+            check.distinct_files([("--csv", cfg.csv), ("--jsonl", cfg.jsonl)])
         if isinstance(cfg, AggregateConfig) and cfg.parquet:
             check.writable_dir("--parquet", cfg.parquet)
 
