@@ -157,6 +157,7 @@ class AggregateConfig(ReplayConfig, frozen=True, kw_only=True, forbid_unknown_fi
     def __post_init__(self) -> None:
         super().__post_init__()
         check.kafka_name("billing_topic", self.billing_topic)
+        check.billing_topic("billing_topic", self.billing_topic, self.topic)
         check.path("parquet", self.parquet)
         check.kafka_name("group", self.group)
         check.http_url("otlp", self.otlp)
@@ -183,6 +184,7 @@ class TopicsConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_
         check.bootstrap("kafka", self.kafka)
         check.kafka_name("topic", self.topic)
         check.kafka_name("billing_topic", self.billing_topic)
+        check.billing_topic("billing_topic", self.billing_topic, self.topic)
 
 
 C = TypeVar("C", bound=msgspec.Struct)

@@ -58,6 +58,13 @@ def kafka_name(name: str, value: str) -> None:
         raise ValueError(f"{name}: {value!r} is not a name")
 
 
+def billing_topic(name: str, value: str, usage: str) -> None:
+    """The billing topic is not the usage topic: the broker refuses the second creation, and
+    the aggregator would write its records among the events it reads."""
+    if value == usage:
+        raise ValueError(f"{name}: {_shown(value)} is the usage topic (topic) too")
+
+
 def printable(name: str, value: str, limit: int = MAX_NAME) -> None:
     """An identifier such as a replica id: 1 to `limit` printable ASCII characters, no spaces."""
     if not value or len(value) > limit or not _PRINTABLE.fullmatch(value):

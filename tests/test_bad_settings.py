@@ -174,6 +174,10 @@ AGGREGATE = [
         "invalid setting instance: 'a/b' is not 1 to 249 of the characters A-Z a-z 0-9 . _ -",
     ),  # fmt: skip
     (["--instance", ".."], "invalid setting instance: '..' is not a name"),
+    (  # it wrote its billing records among the events it reads
+        ["--billing-topic", "hami.usage.v1"],
+        "invalid setting billing_topic: 'hami.usage.v1' is the usage topic (topic) too",
+    ),  # fmt: skip
     (["--csv", "{dir}"], "--csv {dir}: is a directory"),
     (["--jsonl", "/sys/x.jsonl"], "--jsonl /sys/x.jsonl: cannot write: Permission denied"),
     (
@@ -274,6 +278,17 @@ def test_two_outputs_that_are_one_file_are_refused(
     assert os.listdir(paths["log"]) == []
     assert sorted(os.listdir(tmp_path)) == sorted(["a-file", "link", "log", "root"]
                                                   + (["out"] if how != "new" else []))  # fmt: skip
+
+def test_topics_refuses_one_topic_for_usage_and_billing(tmp_path: Path) -> None:
+    """`--apply` created the one and failed on the other (a broker error, exit 1)."""
+    config = tmp_path / "c.toml"
+    config.write_text('[topics]\ntopic = "t"\nbilling_topic = "t"\n')
+    proc = run("topics", "--config", str(config), "--kafka", "127.0.0.1:9", "--apply",
+               cwd=tmp_path)  # fmt: skip
+    assert_one_line(
+        proc, "hami-usage topics: invalid setting billing_topic: 't' is the usage topic (topic) too"
+    )
+
 
 @pytest.mark.parametrize("window", ["0.0005", "0.0015"])
 def test_replay_refuses_a_window_of_part_of_a_millisecond(
