@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import struct
 import subprocess
 import sys
+import threading
 
 import msgspec
 from hypothesis import given, settings
@@ -98,3 +100,27 @@ def test_the_command_reads_stdin() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.splitlines()) == len(sample_events())
+
+
+def test_a_reader_that_closes_the_pipe_early_ends_it_quietly() -> None:
+    """`decode | head -1`: a BrokenPipeError traceback once `head` had its line."""
+    values = framed([encode(e) for e in sample_events()] * 2000)  # more than a pipe holds
+    with subprocess.Popen(
+        [sys.executable, "-m", "collector", "decode"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+    ) as proc:  # fmt: skip
+        assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
+        stdin = proc.stdin
+
+        def feed() -> None:
+            with contextlib.suppress(BrokenPipeError):  # it stopped reading: all the better
+                stdin.write(values)
+                stdin.close()
+
+        writer = threading.Thread(target=feed, daemon=True)
+        writer.start()
+        assert proc.stdout.readline().startswith(b"{")
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert (proc.wait(timeout=60), err) == (0, b"")
+        writer.join(timeout=60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .args import Command
@@ -21,7 +22,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     from ..decode import decode_stream
 
-    return decode_stream(sys.stdin.buffer, sys.stdout.buffer, sys.stderr, args.framing)
+    try:
+        return decode_stream(sys.stdin.buffer, sys.stdout.buffer, sys.stderr, args.framing)
+    except BrokenPipeError:
+        # The reader took what it wanted (`| head -1`) and closed the pipe: done, as Unix tools
+        # are. Python flushes stdout again at exit, which would fail the same way.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 COMMAND = Command(
