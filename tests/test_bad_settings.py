@@ -422,6 +422,15 @@ def test_output_folders_and_demo_kafka_are_checked_first(
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.parametrize("name", ["events.schema.json", "billing.schema.json"])
+def test_schema_refuses_a_folder_where_a_schema_goes(tmp_path: Path, name: str) -> None:
+    """An IsADirectoryError traceback, after the other schema was written."""
+    (tmp_path / "out" / name).mkdir(parents=True)
+    proc = run("schema", "--out", "out", cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage schema: --out out/{name}: is a directory")
+    assert os.listdir(tmp_path / "out") == [name]
+
+
 def test_demo_duration_is_bounded(tmp_path: Path) -> None:
     proc = run("demo", "--duration", "inf", "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert_one_line(proc, "hami-usage demo: argument --duration: must be > 0 and <= 86400, got inf")

@@ -22,13 +22,16 @@ def _run(args: argparse.Namespace) -> int:
 
     with flag_checks("schema"):
         check.path("out", args.out)
-    with machine("schema"):
-        check.writable_dir("--out", args.out)  # made if missing
     out = Path(args.out)
-    for name, schema in (
+    schemas = (
         ("events.schema.json", json_schema()),
         ("billing.schema.json", billing.json_schema()),
-    ):
+    )
+    with machine("schema"):
+        check.writable_dir("--out", args.out)  # made if missing
+        for name, _ in schemas:  # a folder of that name, say: before either is written
+            check.writable_file("--out", str(out / name))
+    for name, schema in schemas:
         target = out / name
         target.write_bytes(msgspec.json.format(msgspec.json.encode(schema), indent=2) + b"\n")
         print(f"wrote {target}")
