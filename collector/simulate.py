@@ -7,6 +7,7 @@ its offsets from, so a layout is described exactly once.
 from __future__ import annotations
 
 import ctypes as C
+import errno
 import mmap
 import os
 import random
@@ -297,7 +298,10 @@ def new_cache_file(
     root: Path, pod_uid: str, container: str, layout: Layout, devices: list[SimDevice]
 ) -> CacheWriter:
     d = pod_dir(root, pod_uid, container)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # what exists is no folder
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(d)) from None
     return CacheWriter(d / f"{uuidlib.uuid4()}.cache", layout, devices)
 
 

@@ -378,6 +378,19 @@ def test_simulate(paths: dict[str, str], tmp_path: Path, args: list[str], messag
     assert_one_line(proc, message)
 
 
+def test_simulate_with_a_file_where_a_container_folder_goes(tmp_path: Path) -> None:
+    """Found while writing, not at start: one line and exit 1 (a FileExistsError traceback)."""
+    assert run("simulate", "--root", "probe", "--containers", "1", "--duration", "1",
+               cwd=tmp_path).returncode == 0  # fmt: skip
+    (name,) = os.listdir(tmp_path / "probe")  # the same seed names the same folder
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / name).write_text("")
+    proc = run("simulate", "--root", "root", "--containers", "1", "--duration", "1", cwd=tmp_path)
+    assert "Traceback" not in proc.stderr
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        1, "", f"hami-usage simulate: root/{name}: not a directory\n"
+    )  # fmt: skip
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .. import settings_check as check
@@ -50,15 +51,19 @@ def _run(args: argparse.Namespace) -> int:
         check.path("root", args.root)
     with machine("simulate"):
         check.writable_dir("--root", args.root)  # made if missing
-    steps = run(
-        Path(args.root),
-        args.containers,
-        args.layout,
-        args.duration,
-        args.interval,
-        args.seed,
-        args.faults or frozenset(),
-    )
+    try:
+        steps = run(
+            Path(args.root),
+            args.containers,
+            args.layout,
+            args.duration,
+            args.interval,
+            args.seed,
+            args.faults or frozenset(),
+        )
+    except OSError as exc:  # below the root, found while writing: a file where a folder goes
+        print(f"hami-usage simulate: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
     print(f"simulated {args.containers} containers for {steps} steps under {args.root}")
     return 0
 
