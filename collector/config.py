@@ -28,6 +28,8 @@ PositiveInt = Annotated[int, Meta(gt=0, le=2**31 - 1)]
 NonNegativeInt = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Bytes = Annotated[int, Meta(ge=0, le=2**62)]
 ENV_PREFIX = "HAMI_USAGE_"
+# The tables of a `--config` file, one a command (README: Commands and configuration).
+SECTIONS = ("collect", "aggregate", "replay", "topics", "demo", "report")
 
 
 class ConfigError(Exception):
@@ -215,6 +217,12 @@ def _from_toml(path: Path, section: str) -> dict[str, Any]:
     table = data.get(section, {})
     if not isinstance(table, dict):
         raise ConfigError(f"config {path}: [{section}] must be a table")
+    # A key outside the tables, or a misspelled table ([colect]), would be ignored silently.
+    for key, value in data.items():
+        if key not in SECTIONS or not isinstance(value, dict):
+            raise ConfigError(
+                f"config {path}: {check.shown(key)} is not one of the tables {', '.join(SECTIONS)}"
+            )
     return table
 
 
@@ -238,7 +246,11 @@ def load(
         return msgspec.convert(merged, cls, strict=False)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        if "`$." in message:
-            name = message.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
-            message = f"{name}: {message.rsplit(' - at ', 1)[0]}"
-        raise ConfigError(f"invalid setting {message}") from None
+        # "... - at `$.name[0]`" names the setting; an unknown key (a name of anyone's choosing,
+        # "`$.y" included) is quoted in the message itself, which has no such suffix.
+        head, sep, where = message.rpartition(" - at `$.")
+        if sep:
+            message = f"{where.rstrip('`').split('[')[0].split('.')[0]}: {head}"
+        # msgspec quotes an unknown key as it is: a newline in it would make two lines.
+        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+        raise ConfigError(f"invalid setting {shown}") from None

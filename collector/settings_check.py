@@ -52,7 +52,7 @@ def kafka_name(name: str, value: str) -> None:
     and the like are refused."""
     if not value or len(value) > MAX_NAME or not _KAFKA_NAME.fullmatch(value):
         raise ValueError(
-            f"{name}: {_shown(value)} is not 1 to {MAX_NAME} of the characters A-Z a-z 0-9 . _ -"
+            f"{name}: {shown(value)} is not 1 to {MAX_NAME} of the characters A-Z a-z 0-9 . _ -"
         )
     if value in (".", ".."):
         raise ValueError(f"{name}: {value!r} is not a name")
@@ -62,14 +62,14 @@ def billing_topic(name: str, value: str, usage: str) -> None:
     """The billing topic is not the usage topic: the broker refuses the second creation, and
     the aggregator would write its records among the events it reads."""
     if value == usage:
-        raise ValueError(f"{name}: {_shown(value)} is the usage topic (topic) too")
+        raise ValueError(f"{name}: {shown(value)} is the usage topic (topic) too")
 
 
 def printable(name: str, value: str, limit: int = MAX_NAME) -> None:
     """An identifier such as a replica id: 1 to `limit` printable ASCII characters, no spaces."""
     if not value or len(value) > limit or not _PRINTABLE.fullmatch(value):
         raise ValueError(
-            f"{name}: {_shown(value)} is not 1 to {limit} printable characters without spaces"
+            f"{name}: {shown(value)} is not 1 to {limit} printable characters without spaces"
         )
 
 
@@ -78,7 +78,7 @@ def node_name(name: str, value: str) -> None:
         raise ValueError(f"{name}: must not be empty")
     if len(value) > MAX_NODE or not _PRINTABLE.fullmatch(value):
         raise ValueError(
-            f"{name}: {_shown(value)} is not 1 to {MAX_NODE} printable characters without spaces"
+            f"{name}: {shown(value)} is not 1 to {MAX_NODE} printable characters without spaces"
         )
 
 
@@ -93,12 +93,12 @@ def bootstrap(name: str, value: str | None) -> None:
 
 
 def _server(name: str, server: str) -> None:
-    bad = f"{name}: {_shown(server)} is not host:port"
+    bad = f"{name}: {shown(server)} is not host:port"
     host, sep, port = server.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(bad)
     if not 1 <= int(port) <= 65535:
-        raise ValueError(f"{name}: port {port} of {_shown(server)} is outside 1..65535")
+        raise ValueError(f"{name}: port {port} of {shown(server)} is outside 1..65535")
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
@@ -125,16 +125,16 @@ def http_url(name: str, value: str | None) -> None:
         parts = urlsplit(value)
         port = parts.port
     except ValueError:
-        raise ValueError(f"{name}: {_shown(value)} is not an http(s) URL") from None
+        raise ValueError(f"{name}: {shown(value)} is not an http(s) URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{name}: {_shown(value)} is not an http(s) URL")
+        raise ValueError(f"{name}: {shown(value)} is not an http(s) URL")
     if port == 0:
-        raise ValueError(f"{name}: port 0 in {_shown(value)}")
+        raise ValueError(f"{name}: port 0 in {shown(value)}")
 
 
 def compression(name: str, value: str) -> None:
     if value not in COMPRESSIONS:
-        raise ValueError(f"{name}: {_shown(value)} is not one of {', '.join(COMPRESSIONS)}")
+        raise ValueError(f"{name}: {shown(value)} is not one of {', '.join(COMPRESSIONS)}")
 
 
 def address(name: str, value: str) -> None:
@@ -145,10 +145,10 @@ def address(name: str, value: str) -> None:
     except ValueError:
         pass
     if not value or len(value) > MAX_NODE or not _HOST.fullmatch(value):
-        raise ValueError(f"{name}: {_shown(value)} is not an IP address or host name")
+        raise ValueError(f"{name}: {shown(value)} is not an IP address or host name")
 
 
-def _shown(value: str) -> str:
+def shown(value: str) -> str:
     """A value quoted in a message: repr, cut short so that one line stays one short line."""
     return repr(value) if len(value) <= 60 else repr(value[:57]) + "..."
 

@@ -74,7 +74,7 @@ def roots(tmp_path: Path) -> dict[str, Path]:
 
 
 def write_toml(path: Path, **values: object) -> Path:
-    lines = ["# a comment", "[other]", "ignored = true", "", "[collect]"]
+    lines = ["# a comment", "[aggregate]", "window = 30", "", "[collect]"]  # another's: ignored
     for k, v in values.items():
         lines.append(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"')
     path.write_text("\n".join(lines) + "\n")
@@ -219,6 +219,9 @@ ERRORS = "hami-usage collect: "
          "invalid setting log_max_bytes: Expected `int` >= 1"),
         ([], {}, "interval = \"x\"\n", "invalid setting interval: Expected `float`, got `str`"),
         ([], {}, "intervall = 1\n", "invalid setting Object contains unknown field `intervall`"),
+        # a key quoted as it is: two lines, and "`$." in it was taken for the setting's name
+        ([], {}, '"a\\nb" = 1\n', "invalid setting Object contains unknown field `a\\nb`"),
+        ([], {}, '"x`$.y" = 1\n', "invalid setting Object contains unknown field `x`$.y`"),
         (["--bogus"], {}, None, "unrecognized arguments: --bogus"),
     ],
 )  # fmt: skip
@@ -251,6 +254,11 @@ def test_bad_files_and_paths_exit_2_with_one_line(tmp_path: Path, roots: dict[st
     a_file.write_text("x")
     (tmp_path / "broken.toml").write_text("[collect\n")
     (tmp_path / "scalar.toml").write_text("collect = 3\n")
+    # Each was ignored without a word: a key outside the tables, a misspelled table.
+    (tmp_path / "top.toml").write_text('kafka = "x:1"\n[collect]\n')
+    (tmp_path / "typo.toml").write_text("[colect]\ninterval = 5\n")
+    (tmp_path / "newline.toml").write_text('["a\\nb"]\n')
+    tables = "is not one of the tables collect, aggregate, replay, topics, demo, report"
     root, log = str(roots["default"]), str(tmp_path / "log")
     cases = {
         f"config {tmp_path / 'missing.toml'}: No such file or directory": [
@@ -260,6 +268,15 @@ def test_bad_files_and_paths_exit_2_with_one_line(tmp_path: Path, roots: dict[st
         " (at line 1, column 9)": ["--config", str(tmp_path / "broken.toml")],
         f"config {tmp_path / 'scalar.toml'}: [collect] must be a table": [
             "--config", str(tmp_path / "scalar.toml"),
+        ],
+        f"config {tmp_path / 'top.toml'}: 'kafka' {tables}": [
+            "--config", str(tmp_path / "top.toml"),
+        ],
+        f"config {tmp_path / 'typo.toml'}: 'colect' {tables}": [
+            "--config", str(tmp_path / "typo.toml"),
+        ],
+        f"config {tmp_path / 'newline.toml'}: 'a\\nb' {tables}": [
+            "--config", str(tmp_path / "newline.toml"),
         ],
         f"--root {tmp_path / 'nope'}: not a directory": [
             "--root", str(tmp_path / "nope"), "--log", log,
