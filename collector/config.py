@@ -187,6 +187,7 @@ class TopicsConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_
         check.kafka_name("topic", self.topic)
         check.kafka_name("billing_topic", self.billing_topic)
         check.billing_topic("billing_topic", self.billing_topic, self.topic)
+        check.retention("usage_retention_days", self.usage_retention_days)
 
 
 C = TypeVar("C", bound=msgspec.Struct)

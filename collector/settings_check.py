@@ -116,6 +116,17 @@ def whole_ms(name: str, seconds: float) -> None:
         raise ValueError(f"{name}: must be a whole number of milliseconds, got {seconds:g}")
 
 
+def retention_ms(days: float) -> int:
+    """A topic retention in days as Kafka's `retention.ms`."""
+    return round(days * 86_400_000)
+
+
+def retention(name: str, days: float) -> None:
+    """A retention that rounds to 0 ms is none at all (Kafka would delete every message)."""
+    if retention_ms(days) < 1:
+        raise ValueError(f"{name}: {days:g} days is less than 1 ms")
+
+
 def http_url(name: str, value: str | None) -> None:
     if value is None:
         return

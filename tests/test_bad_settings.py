@@ -290,6 +290,14 @@ def test_topics_refuses_one_topic_for_usage_and_billing(tmp_path: Path) -> None:
     )
 
 
+def test_topics_refuses_a_retention_that_rounds_to_no_millisecond(tmp_path: Path) -> None:
+    """1e-9 days passed `> 0` and planned retention.ms=0."""
+    proc = run("topics", "--kafka", "127.0.0.1:9", "--usage-retention-days", "1e-9", cwd=tmp_path)
+    assert_one_line(
+        proc,
+        "hami-usage topics: invalid setting usage_retention_days: 1e-09 days is less than 1 ms",
+    )
+
 @pytest.mark.parametrize("window", ["0.0005", "0.0015"])
 def test_replay_refuses_a_window_of_part_of_a_millisecond(
     paths: dict[str, str], tmp_path: Path, window: str

@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from ..settings_check import retention_ms
 from .security import KafkaSecurity
 
 log = logging.getLogger(__name__)
 
-DAY_MS = 86_400_000
 # How long `topics --apply` waits for the topics it created to show in the broker's metadata.
 _CREATED_VISIBLE_S = 30.0
 
@@ -57,7 +57,7 @@ class TopicPlan:
             self.replication_factor,
             {
                 "cleanup.policy": "delete",
-                "retention.ms": str(round(self.usage_retention_days * DAY_MS)),
+                "retention.ms": str(retention_ms(self.usage_retention_days)),
                 "min.insync.replicas": str(self.min_insync_replicas),
             },
         )
