@@ -543,6 +543,27 @@ def test_a_password_file_that_is_not_utf8_is_one_line_without_its_bytes(tmp_path
     assert "s3" not in proc.stderr and "xff" not in proc.stderr
 
 
+@pytest.mark.parametrize("protocol", ["PLAINTEXT", "SSL"])
+@pytest.mark.parametrize(
+    "args,env,name",
+    [
+        (["--kafka-sasl-mechanism", "PLAIN"], {}, "kafka_sasl_mechanism"),
+        (["--kafka-username", "u"], {}, "kafka_username"),
+        (["--kafka-password-file", "pw"], {}, "kafka_password_file"),
+        ([], {"HAMI_USAGE_KAFKA_PASSWORD": "s3cret-value"}, "kafka_password"),
+    ],
+    ids=["mechanism", "username", "password-file", "password"],
+)
+def test_sasl_settings_without_sasl_are_refused(
+    tmp_path: Path, protocol: str, args: list[str], env: dict[str, str], name: str
+) -> None:
+    """A user and password were ignored without SASL_SSL (a mechanism was refused)."""
+    (tmp_path / "pw").write_text("s3cret-value\n")
+    proc = run("topics", "--kafka", "127.0.0.1:9", "--kafka-security-protocol", protocol, *args,
+               cwd=tmp_path, extra_env=env)  # fmt: skip
+    assert_one_line(proc, f"hami-usage topics: {name} needs kafka_security_protocol SASL_SSL")
+    assert "s3cret" not in proc.stderr
+
 @pytest.mark.parametrize("content", [b"", b"\n", b" \n\n"], ids=["empty", "newline", "blank"])
 def test_an_empty_password_is_no_password(tmp_path: Path, content: bytes) -> None:
     """README: SASL without a user or password exits 2 (it once tried to connect)."""

@@ -77,8 +77,18 @@ class KafkaSecurity:
                     "SASL needs kafka_username and a password (kafka_password_file or "
                     "HAMI_USAGE_KAFKA_PASSWORD)"
                 )
-        elif self.sasl_mechanism is not None:
-            raise SecurityError("kafka_sasl_mechanism needs kafka_security_protocol SASL_SSL")
+        else:
+            # Without SASL they would be ignored: a protocol left at its default, unnoticed.
+            # (An empty password is none, as with SASL.)
+            sasl = {
+                "kafka_sasl_mechanism": self.sasl_mechanism is not None,
+                "kafka_username": self.username is not None,
+                "kafka_password_file": self.password_file is not None,
+                "kafka_password": bool((self.password or "").strip()),
+            }
+            given = next((name for name, set_ in sasl.items() if set_), None)
+            if given is not None:
+                raise SecurityError(f"{given} needs kafka_security_protocol SASL_SSL")
         for name in ("ca_file", "cert_file", "key_file"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
