@@ -7,9 +7,11 @@ with a traceback, hung, or was accepted.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -210,6 +212,26 @@ def test_aggregate(paths: dict[str, str], tmp_path: Path, args: list[str], messa
     message = message.replace("{dir}", paths["dir"]).replace("{file}", paths["file"])
     assert_one_line(proc, "hami-usage aggregate: " + message)
     assert os.listdir(paths["log"]) == []  # no checkpoint written: nothing started
+
+
+def test_aggregate_refuses_a_local_log_it_cannot_write_its_checkpoint_in() -> None:
+    """The checkpoint goes in `<log>/consumers`: a log folder the aggregator cannot write in
+    was a PermissionError traceback after its outputs were opened. (Not under pytest's own
+    folder, which no other user can enter: as root the command runs as nobody.)"""
+    base = Path(tempfile.mkdtemp(prefix="hami-usage-ro-"))
+    try:
+        base.chmod(0o755)
+        log = base / "log"
+        log.mkdir(mode=0o555)
+        log.chmod(0o555)  # (whatever the umask)
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_USAGE_")}
+        argv = [*(as_nobody if os.geteuid() == 0 else []), str(HAMI_USAGE), "aggregate"]
+        argv += ["--log", str(log), "--drain"]
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=base, timeout=60)
+        assert_one_line(proc, f"hami-usage aggregate: --log {log}: {log} is not writable")
+    finally:
+        shutil.rmtree(base)
 
 
 def test_an_empty_parquet_from_the_environment_is_refused_too(

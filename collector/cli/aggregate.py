@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from ..aggregate.damage import EXIT_CHECKPOINT, CheckpointError
 from ..config import AggregateConfig
+from ..transport.locallog.checkpoint import CONSUMERS_DIR
 from .args import Command, UsageError, iso_ms, switch
 from .kafka import kafka_flags, kafka_security, run_kafka, start_logging
 from .replay import REPLAY_FLAGS
@@ -114,8 +116,8 @@ def _run(args: argparse.Namespace) -> int:
     if cfg.kafka:
         settings.security = kafka_security(cfg, "aggregate")
         settings.topics = topic_plan(args, "aggregate", cfg.topic, cfg.billing_topic).specs()
-    if not cfg.kafka and not Path(cfg.log).is_dir():
-        raise UsageError(f"hami-usage aggregate: --log {cfg.log}: not a directory")
+    if not cfg.kafka:
+        _checkpoint_writable(Path(cfg.log))
     start_logging(logging.INFO)
     try:
         run_kafka("aggregate", aggregate(settings))
@@ -142,3 +144,14 @@ def _start_from(text: str) -> str | int:
 COMMAND = Command(
     "aggregate", "events -> windowed billing records and OTLP metrics", _arguments, _run
 )
+
+
+def _checkpoint_writable(log: Path) -> None:
+    """The local log exists (it is the collector's; a missing one is a wrong path) and the
+    group's checkpoint can be written in it, in `consumers/` (made at the first start)."""
+    if not log.is_dir():
+        raise UsageError(f"hami-usage aggregate: --log {log}: not a directory")
+    consumers = log / CONSUMERS_DIR
+    where = consumers if consumers.is_dir() else log
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"hami-usage aggregate: --log {log}: {where} is not writable")
