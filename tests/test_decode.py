@@ -124,3 +124,13 @@ def test_a_reader_that_closes_the_pipe_early_ends_it_quietly() -> None:
         err = proc.stderr.read()
         assert (proc.wait(timeout=60), err) == (0, b"")
         writer.join(timeout=60)
+
+
+def test_an_output_that_cannot_be_written_is_one_line() -> None:
+    """`decode > /dev/full`: an OSError traceback (no space left on device)."""
+    values = framed([encode(e) for e in sample_events()] * 200)
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.run([sys.executable, "-m", "collector", "decode"], input=values,
+                              stdout=full, capture_output=False, stderr=subprocess.PIPE,
+                              timeout=60)  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (1, b"hami-usage decode: No space left on device\n")

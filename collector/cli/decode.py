@@ -29,6 +29,10 @@ def _run(args: argparse.Namespace) -> int:
         # are. Python flushes stdout again at exit, which would fail the same way.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # a full disk, an I/O error: one line, not a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"hami-usage decode: {exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 COMMAND = Command(
