@@ -610,6 +610,38 @@ def test_a_damaged_billing_csv_is_one_line_and_exit_1(
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
 
 
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (b"myhost\n", "its header has no window_start column"),  # (/etc/hostname)
+        (",".join(CSV_FIELDS[:3]).encode(), "its header has no pod_uid column"),  # cut off
+        (
+            ",".join((*CSV_FIELDS, "extra")).encode() + b"\n",
+            "its header has an unknown column 'extra'",
+        ),
+        (",".join((*CSV_FIELDS, "node")).encode() + b"\n", "its header has a column twice"),
+    ],
+    ids=["other-file", "cut-header", "unknown-column", "twice"],
+)
+def test_a_csv_whose_header_is_no_billing_header_is_one_line_and_exit_1(
+    tmp_path: Path, header: bytes, message: str
+) -> None:
+    """Any CSV without a data row used to be an empty bill, exit 0."""
+    path = tmp_path / "in.csv"
+    path.write_bytes(header)
+    proc = hami("report", *SPAN, "--csv", path)
+    expected = f"hami-usage report: {path}: not a billing record CSV: {message}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+
+
+def test_a_billing_csv_of_the_first_version_and_an_empty_file_are_read(tmp_path: Path) -> None:
+    first = tmp_path / "v1.csv"  # before reserved_idle_gpu_seconds (version 2)
+    first.write_text(",".join(f for f in CSV_FIELDS if f not in SINCE_VERSION) + "\n")
+    (tmp_path / "empty.csv").write_bytes(b"")
+    proc = hami("report", *SPAN, "--csv", first, "--csv", tmp_path / "empty.csv")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_report_of_a_missing_file_is_one_line(tmp_path: Path) -> None:
     proc = hami("report", "--from", "2026-01-01", "--to", "2026-01-02", "--csv", tmp_path / "no")
     assert proc.returncode == 1

@@ -96,6 +96,8 @@ def _read_csv(path: Path) -> Iterator[BillingRecord]:
     try:
         with path.open(newline="", encoding="utf-8") as f:
             rows = csv.DictReader(f)
+            if rows.fieldnames is not None:  # (an empty file: no records yet)
+                _billing_header(path, rows.fieldnames)
             for row in rows:
                 try:
                     yield _csv_record(row)
@@ -107,6 +109,22 @@ def _read_csv(path: Path) -> Iterator[BillingRecord]:
         raise LoadError(f"{path}: not a billing record CSV: {e}") from None
     except OSError as e:
         raise LoadError(f"{path}: {e.strerror}") from None
+
+
+def _billing_header(path: Path, names: typing.Sequence[str]) -> None:
+    """A billing CSV's header: every column of the first record version, later versions'
+    columns or not, nothing else (any other file gave an empty bill, exit 0)."""
+    unknown = [n for n in names if n not in CSV_FIELDS]
+    lacking = [n for n in CSV_FIELDS if n not in names and n not in SINCE_VERSION]
+    if lacking:
+        what = f"no {lacking[0]} column"
+    elif unknown:
+        what = f"an unknown column {unknown[0]!r}"
+    elif len(set(names)) != len(names):
+        what = "a column twice"
+    else:
+        return
+    raise LoadError(f"{path}: not a billing record CSV: its header has {what}")
 
 
 def _read_jsonl(path: Path) -> Iterator[BillingRecord]:
