@@ -99,13 +99,19 @@ def _server(name: str, server: str) -> None:
         raise ValueError(bad)
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"{name}: port {port} of {shown(server)} is outside 1..65535")
+    if not _valid_host(host):
+        raise ValueError(bad)
+
+
+def _valid_host(host: str) -> bool:
+    """A DNS name, an IPv4 address, or an IPv6 address in brackets."""
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
-            raise ValueError(bad) from None
-    elif len(host) > MAX_NODE or not _HOST.fullmatch(host):
-        raise ValueError(bad)
+            return False
+        return True
+    return len(host) <= MAX_NODE and _HOST.fullmatch(host) is not None
 
 
 def whole_ms(name: str, seconds: float) -> None:
@@ -139,6 +145,10 @@ def http_url(name: str, value: str | None) -> None:
         raise ValueError(f"{name}: {shown(value)} is not an http(s) URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{name}: {shown(value)} is not an http(s) URL")
+    host = parts.hostname  # (without the brackets of an IPv6 address)
+    if not _valid_host(f"[{host}]" if ":" in host else host):
+        # `http://a b:4318` was taken, and every push then failed
+        raise ValueError(f"{name}: {shown(value)} does not name a valid host")
     if port == 0:
         raise ValueError(f"{name}: port 0 in {shown(value)}")
 

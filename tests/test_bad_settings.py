@@ -163,6 +163,10 @@ AGGREGATE = [
     (["--group", ".."], "invalid setting group: '..' is not a name"),
     (["--otlp", "notaurl"], "invalid setting otlp: 'notaurl' is not an http(s) URL"),
     (
+        ["--otlp", "http://a b:4318"],
+        "invalid setting otlp: 'http://a b:4318' does not name a valid host",
+    ),
+    (
         ["--otlp", "ftp://x/v1/metrics"],
         "invalid setting otlp: 'ftp://x/v1/metrics' is not an http(s) URL",
     ),  # fmt: skip

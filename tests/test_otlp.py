@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from decimal import Decimal
 from importlib.metadata import version
 from typing import Any
 
@@ -26,7 +27,6 @@ CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE in O
 COUNTER_NAMES = {c.name for c in COUNTERS}
 GAUGE_NAMES = {g.name for g in GAUGES}
 UNITS = {i.name: i.unit for i in (*COUNTERS, *GAUGES)}
-SCALE = {i.name: i.scale for i in (*COUNTERS, *GAUGES)}
 GPU = "GPU-3f1c2a8e-1111-2222-3333-444455556666"
 
 
@@ -124,13 +124,15 @@ def test_no_metric_name_is_the_prefix_of_another() -> None:
 
 
 def expected_counters(records: list[BillingRecord]) -> dict[str, dict[Attrs, float]]:
+    """Per counter and series: the exact sum of the records' values (/ 100 for percent), as
+    the nearest double."""
     out: dict[str, dict[Attrs, float]] = {}
     for c in COUNTERS:
-        points: dict[Attrs, float] = {}
+        sums: dict[Attrs, Decimal] = {}
         for rec in records:
             key = counter_attrs(rec)
-            points[key] = points.get(key, 0.0) + getattr(rec, c.field) * c.scale
-        out[c.name] = points
+            sums[key] = sums.get(key, Decimal(0)) + Decimal(getattr(rec, c.field))
+        out[c.name] = {k: float(v / 100 if c.percent else v) for k, v in sums.items()}
     return out
 
 
@@ -147,7 +149,7 @@ def assert_counters(got: Received, records: list[BillingRecord]) -> None:
         assert m.points.keys() == points.keys(), name
         for key, value in points.items():
             assert isinstance(m.points[key], float)
-            assert m.points[key] == pytest.approx(value, rel=1e-12), (name, key)
+            assert m.points[key] == value, (name, key)
 
 
 def dead_port() -> int:
@@ -193,9 +195,9 @@ def test_two_windows_counters_and_gauges(receiver: OtlpReceiver) -> None:
     for gauge in GAUGES:
         m = metrics[gauge.name]
         assert (m.kind, m.unit) == ("gauge", gauge.unit)
-        assert m.points == pytest.approx(
-            {gauge_attrs(g): getattr(g, gauge.field) * gauge.scale for g in gauges}
-        )
+        assert m.points == {
+            gauge_attrs(g): getattr(g, gauge.field) / (100 if gauge.percent else 1) for g in gauges
+        }
         # Bytes stay integers; the 0-1 ratio is a double.
         kind = int if gauge.unit == "By" else float
         assert all(isinstance(v, kind) for v in m.points.values())
@@ -542,3 +544,33 @@ def test_a_push_is_split_into_requests_of_bounded_points(
             per_metric[name] = per_metric.get(name, 0) + len(m.points)
     # every counter's 30 series arrived (the second flush at shutdown sends them all again)
     assert per_metric["hami.gpu.observed_time"] == 2 * 30
+
+
+def test_counters_are_the_exact_sum_of_the_records_rounded_once(receiver: OtlpReceiver) -> None:
+    """A month of one-minute windows of a 79 GiB container: adding each record as a float drifted
+    52 746 byte-seconds from the records' sum; and percent-seconds / 100 is 0.57, not
+    0.5700000000000001 (57 x 0.01)."""
+    records = [
+        make_record(
+            w, "trainer", 1.0,
+            memory_byte_seconds=Decimal("5090113232977.123"), sm_percent_seconds=Decimal("57.000"),
+        )
+        for w in range(43_200)
+    ]  # fmt: skip
+    gauge = Gauge("node-a", "uid-trainer", "trainer", GPU, 1, 2, 57, 3)
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    try:
+        exporter.record_window(records[:1])
+        exporter.set_gauges([gauge])
+        assert exporter.flush()
+        exporter.record_window(records[1:])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    first, second = receiver.wait_for(2)[:2]
+    key = counter_attrs(records[0])
+    assert first.metrics()["hami.gpu.sm.usage_time"].points[key] == 0.57
+    assert first.metrics()["hami.gpu.sm.utilization"].points[gauge_attrs(gauge)] == 0.57
+    usage = second.metrics()["hami.gpu.memory.usage_byte_seconds"].points[key]
+    assert usage == float(Decimal("5090113232977.123") * 43_200) == 2.198928916646117e17
+    assert second.metrics()["hami.gpu.sm.usage_time"].points[key] == 24624.0

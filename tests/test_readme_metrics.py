@@ -34,12 +34,12 @@ def _otlp_rows() -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     kinds = (
-        ("Counter", otlp.COUNTERS, "counter attributes"),
+        ("ObservableCounter", otlp.COUNTERS, "counter attributes"),
         ("ObservableGauge", otlp.GAUGES, "gauge attributes"),
     )
     for kind, instruments, attributes in kinds:
         for i in instruments:
-            prom = prometheus_name(i.name, i.unit, counter=kind == "Counter")
+            prom = prometheus_name(i.name, i.unit, counter=kind == "ObservableCounter")
             rows.append(
                 f"| `{i.name}` | {kind} | `{i.unit}` | {attributes} | `{prom}` | {i.description} |"
             )
