@@ -473,6 +473,36 @@ def test_unaccounted_processes(node: Node, fake: FakeNvml) -> None:
     assert anomalies(node.step()) == []
 
 
+def test_a_slot_without_host_pid_is_not_billed_again_on_the_node_row(
+    node: Node, fake: FakeNvml
+) -> None:
+    # HAMi never learnt the host pid of pid 10: NVML's listing of it (9000) cannot be joined
+    # and stays an unaccounted_process, but its container is billed for the slot's used.total,
+    # so the node rows take that off (down to 0), per device.
+    w, _ = node.container("main", [GPU0, GPU1])
+    w.add_process(10, 0)
+    w.add_memory(10, 0, "data", 1 * GiB)
+    w.add_memory(10, 1, "data", 512 * MiB)
+    fake.gpus[0].processes = {9000: 1 * GiB, 9001: 300 * MiB}
+    fake.gpus[1].processes = {9000: 256 * MiB}
+    events = node.step()
+    assert [brief(a) for a in anomalies(events)] == [
+        (-1, "", "unaccounted_process", None, 1 * GiB,
+         f"host pid 9000 on {GPU0} uses 1073741824 B; no cache file accounts for it"),
+        (-1, "", "unaccounted_process", None, 256 * MiB,
+         f"host pid 9000 on {GPU1} uses 268435456 B; no cache file accounts for it"),
+        (-1, "", "unaccounted_process", None, 300 * MiB,
+         f"host pid 9001 on {GPU0} uses 314572800 B; no cache file accounts for it"),
+    ]  # fmt: skip
+    assert samples(events) == [
+        [DeviceUsageRow(GPU0, 0, 0, 300 * MiB), DeviceUsageRow(GPU1, 0, 0, 0)]
+    ]
+    w.exit(10)  # gone: nothing is taken off any more
+    assert samples(node.step()) == [
+        [DeviceUsageRow(GPU0, 0, 0, 1 * GiB + 300 * MiB), DeviceUsageRow(GPU1, 0, 0, 256 * MiB)]
+    ]
+
+
 # --- NVML failing ---------------------------------------------------------------------------
 
 

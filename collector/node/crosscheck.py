@@ -13,7 +13,9 @@ listed this interval:
   usage that never drops). Tolerance: `max(bytes, ratio * NVML bytes)`. An N/A usedGpuMemory
   (None) makes no claim either way.
 * `unaccounted_process`: a process NVML lists on a device that no file accounts for (no live slot
-  with that host pid in a file whose device table holds that uuid). cid -1, path "".
+  with that host pid in a file whose device table holds that uuid). cid -1, path "". The node
+  sample's `unaccounted_bytes` of a device is their bytes less the used.total of the live slots
+  whose host pid HAMi has not learnt (their containers are billed for them), never below 0.
 
 Both are reported once when they have held for `confirm` consecutive intervals (the file and
 NVML are read a few ms apart; a process that allocates in between, or whose host pid HAMi has not
@@ -374,6 +376,12 @@ class CrossCheck:
                 if (p.pid, uuid) not in accounted:
                     unaccounted[(p.pid, uuid)] = p
                     nbytes[uuid] = nbytes.get(uuid, 0) + (p.used_memory or 0)
+        # A slot whose host pid HAMi has not learnt cannot be joined, so NVML's listing of its
+        # process counts above as unaccounted; its container is billed for those bytes, and the
+        # node row must bill only what no container accounts for.
+        for uuid, billed in _unjoinable_bytes(files).items():
+            if uuid in nbytes:
+                nbytes[uuid] = max(0, nbytes[uuid] - billed)
         events: list[Event] = []
         for key in self._unaccounted.update(unaccounted, lambda key: known(key[1])):
             p, uuid = unaccounted[key], key[1]
@@ -381,6 +389,20 @@ class CrossCheck:
             detail = f"host pid {p.pid} on {uuid} uses {mem}; no cache file accounts for it"
             events.append(_node_anomaly(stamp, "unaccounted_process", detail, value=p.used_memory))
         return nbytes, events
+
+
+def _unjoinable_bytes(files: list[FileState]) -> dict[str, int]:
+    """used.total per device uuid of the live slots without a host pid (hostpid <= 0)."""
+    out: dict[str, int] = {}
+    for st in files:
+        for pid, hostpid in st.procs:
+            if hostpid > 0:
+                continue
+            for dev in st.devices:
+                row = st.rows.get((pid, hostpid, dev.index))
+                if row is not None:
+                    out[dev.uuid] = out.get(dev.uuid, 0) + row.total
+    return out
 
 
 def _node_anomaly(
