@@ -553,6 +553,71 @@ def test_nvml_errors_mid_run_and_recovery(node: Node, fake: FakeNvml) -> None:
     del st
 
 
+def test_values_out_of_range_are_nvml_errors_and_not_available(tmp_path: Path) -> None:
+    fake = FakeNvml(
+        [
+            FakeGpu(GPU0, memory_used=3 * GiB, utilization=250, memory_utilization=101),
+            FakeGpu(GPU1, memory_used=80 * GiB + 1),  # more than its total
+            FakeGpu(GPU2, migs=[FakeMig(MIG_A, 1 << 48)]),  # more than any GPU has
+        ]
+    )
+    # a wrapped count (a negative number as u64), one byte above the total, and a sane one
+    fake.gpus[0].processes = {9000: (1 << 64) - 2 * MiB, 9001: 80 * GiB + 1, 9002: 1 * GiB}
+    n = Node(tmp_path, fake)
+    try:
+        events = n.step()
+        assert [brief(a) for a in anomalies(events)] == [
+            (-1, "", "nvml_error", 0, None,
+             "device 0 memory utilization: 101 % is out of range 0-100 %; taken as not available"),
+            (-1, "", "nvml_error", 0, None,
+             "device 0 utilization: 250 % is out of range 0-100 %; taken as not available"),
+            (-1, "", "nvml_error", 1, None,
+             f"device 1: {GPU1} memory used 85899345921 B is out of range 0-85899345920 B "
+             "(the total)"),
+            (-1, "", "nvml_error", 2, None,
+             f"device 2: {MIG_A} memory total 281474976710656 B is out of range "
+             "0-281474976710655 B"),
+            (-1, "", "nvml_error", None, None,
+             f"memory of processes {GPU0}: host pid 9000 uses 18446744073707454464 B, host pid "
+             "9001 uses 85899345921 B: out of range 0-85899345920 B (the total); taken as not "
+             "available"),
+            (-1, "", "unaccounted_process", None, None,
+             f"host pid 9000 on {GPU0} uses N/A; no cache file accounts for it"),
+            (-1, "", "unaccounted_process", None, None,
+             f"host pid 9001 on {GPU0} uses N/A; no cache file accounts for it"),
+            (-1, "", "unaccounted_process", None, 1 * GiB,
+             f"host pid 9002 on {GPU0} uses 1073741824 B; no cache file accounts for it"),
+        ]  # fmt: skip
+        # GPUs 1 and 2 are as if their query failed: no inventory, no row
+        assert inventories(events) == [[GpuInfo(0, GPU0, H100, 80 * GiB, False)]]
+        assert samples(events) == [[DeviceUsageRow(GPU0, 3 * GiB, 0, 1 * GiB)]]
+        dev = n.cc.devices[0]
+        assert (dev.utilization_gpu, dev.utilization_memory) == (None, None)  # no /metrics gauge
+        assert n.source.stats.nvml_errors == 1
+        assert anomalies(n.step()) == []  # once while it persists
+
+        fake.gpus[0].utilization, fake.gpus[0].memory_utilization = 100, 0  # the bounds
+        fake.gpus[0].processes = {9001: 80 * GiB}
+        fake.gpus[1].memory_used = 80 * GiB
+        fake.gpus[2].migs = [FakeMig(MIG_A, (1 << 48) - 1)]
+        events = n.step()
+        assert anomalies(events) == []
+        assert samples(events) == [
+            [
+                DeviceUsageRow(GPU0, 3 * GiB, 100, 80 * GiB),
+                DeviceUsageRow(GPU1, 80 * GiB, 0, 0),
+                DeviceUsageRow(MIG_A, 0, 0, 0),
+            ]
+        ]
+        assert n.cc.devices[0].utilization_memory == 0
+        fake.gpus[0].utilization = -1  # back out of range: reported again
+        assert [a.detail for a in anomalies(n.step())] == [
+            "device 0 utilization: -1 % is out of range 0-100 %; taken as not available"
+        ]
+    finally:
+        n.close()
+
+
 def test_an_unexpected_exception_is_an_nvml_error_and_logged(
     node: Node, fake: FakeNvml, caplog: pytest.LogCaptureFixture
 ) -> None:

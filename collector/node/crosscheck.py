@@ -21,7 +21,8 @@ Both are reported once when they have held for `confirm` consecutive intervals (
 NVML are read a few ms apart; a process that allocates in between, or whose host pid HAMi has not
 filled in yet, must not raise an alarm) and again only after having cleared. An interval in
 which a device's processes could not be read leaves that device's state as it was.
-`nvml_error` (per failing call scope) and `nvml_timeout` are reported once while they persist.
+`nvml_error` (per failing call scope, or value out of range: see nvml.py) and `nvml_timeout`
+are reported once while they persist.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ processes) on a daemon worker thread and waits for it at most `timeout_s`. A cal
 running, later polls do not queue behind it, they return a timed-out reading at once. An error
 from one call is recorded in the reading under its scope (`device_count`, `device 2`,
 `processes MIG-…`) and the rest of the call set still runs.
+
+Every number is range-checked there too, whichever `NvmlApi` produced it. A utilization outside
+0-100 % or a process's bytes above its device's memory total is an error of its own scope
+(`device 0 utilization`, `memory of processes GPU-…`) and taken as not available (None), as an
+N/A from NVML is. A device (or MIG instance) whose memory total is above events.MAX_BYTES or
+whose memory used exceeds its total fails its `device N` scope, as if the query had failed.
 """
 
 from __future__ import annotations
@@ -23,15 +29,20 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol, TypeVar
+
+from ..events import MAX_BYTES
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 2.0
+# A device's utilization rate is the percent of the sample period in which a kernel ran, so it
+# cannot pass 100 (unlike HAMi's per-process samples, which events.MAX_PERCENT bounds).
+MAX_UTILIZATION = 100
 
 
 # --- plain data crossing the boundary ---------------------------------------------------------
@@ -211,7 +222,13 @@ class PynvmlApi:
         return merge_processes(compute, graphics or [])
 
 
+class OutOfRange(ValueError):
+    """NVML returned a number no device can have (a wrapped counter, a driver bug)."""
+
+
 def _is_nvml_error(exc: BaseException) -> bool:
+    if isinstance(exc, OutOfRange):  # NVML's own answer, not a bug here: not logged as one
+        return True
     try:
         import pynvml
     except ImportError:
@@ -284,15 +301,69 @@ def read_all(api: NvmlApi) -> NvmlReading:
         return reading
     reading.count = count
     for i in range(count):
-        dev = attempt(f"device {i}", partial(api.device, i))
+        dev = attempt(f"device {i}", partial(_checked_device, api, i))
         if dev is None:
             continue
+        dev = replace(
+            dev,
+            utilization_gpu=_percent(reading, f"device {i} utilization", dev.utilization_gpu),
+            utilization_memory=_percent(
+                reading, f"device {i} memory utilization", dev.utilization_memory
+            ),
+        )
         reading.devices[i] = dev
+        totals = {dev.uuid: dev.memory_total} | {m.uuid: m.memory_total for m in dev.mig_devices}
         for uuid, _, _ in dev.leaves():
             procs = attempt(f"processes {uuid}", partial(api.processes, uuid))
             if procs is not None:
-                reading.processes[uuid] = procs
+                reading.processes[uuid] = _checked_processes(reading, uuid, totals[uuid], procs)
     return reading
+
+
+def _check_memory(what: str, total: int, used: int) -> None:
+    # used <= total <= MAX_BYTES bounds both; a used above the total is a counter gone wrong.
+    if not 0 <= total <= MAX_BYTES:
+        raise OutOfRange(f"{what} memory total {total} B is out of range 0-{MAX_BYTES} B")
+    if not 0 <= used <= total:
+        raise OutOfRange(f"{what} memory used {used} B is out of range 0-{total} B (the total)")
+
+
+def _checked_device(api: NvmlApi, index: int) -> NvmlDevice:
+    """api.device(index), raising OutOfRange where its memory (or a MIG instance's) is absurd:
+    both numbers are billed and inventoried as they stand, so there is no partial reading."""
+    dev = api.device(index)
+    _check_memory(dev.uuid, dev.memory_total, dev.memory_used)
+    for m in dev.mig_devices:
+        _check_memory(m.uuid, m.memory_total, m.memory_used)
+    return dev
+
+
+def _percent(reading: NvmlReading, scope: str, value: int | None) -> int | None:
+    if value is None or 0 <= value <= MAX_UTILIZATION:
+        return value
+    reading.errors[scope] = (
+        f"{value} % is out of range 0-{MAX_UTILIZATION} %; taken as not available"
+    )
+    return None
+
+
+def _checked_processes(
+    reading: NvmlReading, uuid: str, total: int, procs: list[NvmlProcess]
+) -> list[NvmlProcess]:
+    """The processes, a process's bytes above its device's memory total (itself checked
+    against MAX_BYTES) taken as N/A."""
+    out: list[NvmlProcess] = []
+    bad: list[str] = []
+    for p in procs:
+        if p.used_memory is not None and not 0 <= p.used_memory <= total:
+            bad.append(f"host pid {p.pid} uses {p.used_memory} B")
+            p = NvmlProcess(p.pid, None)
+        out.append(p)
+    if bad:
+        reading.errors[f"memory of processes {uuid}"] = (
+            f"{', '.join(bad)}: out of range 0-{total} B (the total); taken as not available"
+        )
+    return out
 
 
 class _Worker:
