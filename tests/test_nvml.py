@@ -344,6 +344,28 @@ def test_monitorused_checked_only_where_written(node: Node, fake: FakeNvml) -> N
     ]
 
 
+def test_slices_of_one_gpu_are_compared_as_one(node: Node, fake: FakeNvml) -> None:
+    # One GPU at two indices of the file (two slices): NVML's bytes are the process's on the
+    # whole GPU, so they are compared once with the slices' sum.
+    w, st = node.container("main", [GPU0, GPU0])
+    w.add_process(10, 4242)
+    w.add_memory(10, 0, "data", 1 * GiB)
+    w.add_memory(10, 1, "data", 1 * GiB)
+    fake.gpus[0].processes = {4242: 2 * GiB}
+    assert anomalies(node.step()) == []
+    fake.gpus[0].processes = {4242: 3 * GiB}
+    assert [brief(a) for a in anomalies(node.step())] == [
+        drift(
+            st,
+            0,
+            f"host pid 4242 (pid 10) on {GPU0} (devices 0, 1): NVML 3221225472 B, cache "
+            "used.total 2147483648 B, monitorused 0 B; used.total under-reports by 1073741824 B "
+            "(tolerance 161061273 B)",
+            3 * GiB,
+        )
+    ]
+
+
 @pytest.mark.parametrize(
     ("nvml", "cache", "drifts"),
     [

@@ -2,8 +2,8 @@
 
 The join: a cache file's device table maps its index to an NVML uuid (`GPU-…`, or `MIG-…` for a
 MIG instance), its live slots carry the host pid, and NVML lists (host pid, usedGpuMemory) per
-GPU or MIG instance. Per live process with a known host pid, per device of its file that NVML
-listed this interval:
+GPU or MIG instance. Per live process with a known host pid, per device uuid of its file that
+NVML listed this interval (a uuid at several indices, slices of one GPU, summed over them):
 
 * `accounting_drift`: NVML's bytes against `used.total` (what HAMi enforces and what is billed),
   and against `monitorused` where it is non-zero (HAMi's utilization watcher only runs in some
@@ -101,7 +101,7 @@ class _Drift:
     st: FileState
     pid: int
     hostpid: int
-    device: int
+    devices: tuple[int, ...]  # the file's indices of the uuid (several: slices of one GPU)
     uuid: str
     nvml: int
     listed: bool
@@ -111,8 +111,10 @@ class _Drift:
 
     def detail(self) -> str:
         seen = f"NVML {self.nvml} B" if self.listed else "NVML lists no such process (0 B)"
+        where = ", ".join(map(str, self.devices))
+        where = f"device {where}" if len(self.devices) == 1 else f"devices {where}"
         parts = [
-            f"host pid {self.hostpid} (pid {self.pid}) on {self.uuid} (device {self.device}): "
+            f"host pid {self.hostpid} (pid {self.pid}) on {self.uuid} ({where}): "
             f"{seen}, cache used.total {self.total} B, monitorused {self.monitor} B"
         ]
         for name, cache in (("used.total", self.total), ("monitorused", self.monitor)):
@@ -264,22 +266,27 @@ class CrossCheck:
         drifts: dict[DriftKey, _Drift] = {}
         na: set[DriftKey] = set()  # NVML says N/A: no claim either way, state kept
         for st in files:
+            # NVML's bytes are the whole process's on the GPU: compare them once per uuid with
+            # the sum over the file's slices of it (one uuid at several indices).
+            indices: dict[str, list[int]] = {}
+            for dev in st.devices:
+                indices.setdefault(dev.uuid, []).append(dev.index)
             for pid, hostpid in sorted(st.procs):
                 if hostpid <= 0:
                     continue  # HAMi has not learnt the host pid yet: cannot be joined
-                for dev in st.devices:
-                    on_device = by_uuid.get(dev.uuid)
+                for uuid, idx in indices.items():
+                    on_device = by_uuid.get(uuid)
                     if on_device is None:
                         continue  # not a device NVML listed this interval
-                    key = (st.cid, pid, hostpid, dev.uuid)
+                    key = (st.cid, pid, hostpid, uuid)
                     proc = on_device.get(hostpid)
                     if proc is not None and proc.used_memory is None:
                         na.add(key)
                         continue
                     nvml = 0 if proc is None or proc.used_memory is None else proc.used_memory
-                    row = st.rows.get((pid, hostpid, dev.index))
-                    total = row.total if row else 0
-                    monitor = row.monitor if row else 0
+                    rows = [r for i in idx if (r := st.rows.get((pid, hostpid, i))) is not None]
+                    total = sum(r.total for r in rows)
+                    monitor = sum(r.monitor for r in rows)
                     if self.tolerance.drifts(nvml, total) or (
                         monitor != 0 and self.tolerance.drifts(nvml, monitor)
                     ):
@@ -287,8 +294,8 @@ class CrossCheck:
                             st,
                             pid,
                             hostpid,
-                            dev.index,
-                            dev.uuid,
+                            tuple(idx),
+                            uuid,
                             nvml,
                             proc is not None,
                             total,
@@ -307,7 +314,7 @@ class CrossCheck:
                 path=d.st.path,
                 anomaly="accounting_drift",
                 detail=d.detail(),
-                device=d.device,
+                device=d.devices[0],
                 value=d.nvml,
             )
             for d in map(drifts.__getitem__, self._drift.update(drifts, drift_known))
