@@ -102,3 +102,27 @@ def test_mismatch_compares_uuid_memory_and_sm() -> None:
         "GPU-c in the cache file but not allocated"
     )
     assert mismatch([], []) is None
+
+
+def test_mismatch_compares_slices_of_one_gpu_as_multisets() -> None:
+    mib = 1 << 20
+    alloc = [
+        AllocatedDevice("GPU-a", "NVIDIA", 10000, 30),
+        AllocatedDevice("GPU-a", "NVIDIA", 20000, 0),
+        AllocatedDevice("GPU-b", "NVIDIA", 1024, 50),
+    ]
+    file = [  # the slices in another order, cores 0 written as 100
+        DeviceLimit(0, "GPU-b", 1024 * mib, 50),
+        DeviceLimit(1, "GPU-a", 20000 * mib, 100),
+        DeviceLimit(2, "GPU-a", 10000 * mib, 30),
+    ]
+    assert mismatch(alloc, file) is None
+    assert mismatch(alloc, [file[0], file[1], DeviceLimit(2, "GPU-a", 20000 * mib, 100)]) == (
+        "GPU-a memory limit 20971520000 B, allocated 10000 MiB; GPU-a SM limit 100 %, "
+        "allocated 30 %"
+    )
+    assert mismatch(alloc, file[:2]) == "GPU-a allocated twice, in the cache file once"
+    assert mismatch(alloc[:1] + alloc[2:], file + [DeviceLimit(3, "GPU-c", mib, 0)] * 3) == (
+        "GPU-a allocated once, in the cache file twice; GPU-c in the cache file but not allocated"
+    )
+    assert mismatch(alloc[:1] * 3, file[1:]) == "GPU-a allocated 3 times, in the cache file twice"

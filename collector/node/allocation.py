@@ -87,21 +87,43 @@ def _sm(value: int) -> int:
     return 100 if value in (0, 100) else value
 
 
+def _times(n: int) -> str:
+    return {1: "once", 2: "twice"}.get(n, f"{n} times")
+
+
 def mismatch(allocated: Sequence[AllocatedDevice], devices: Sequence[DeviceLimit]) -> str | None:
-    """None when the cache file's limits are those the scheduler allocated; else what differs."""
-    have = {d.uuid: d for d in devices}
-    wanted = {a.uuid for a in allocated}
-    problems: list[str] = []
+    """None when the cache file's limits are those the scheduler allocated; else what differs.
+
+    A GPU can be allocated, and listed in the file, more than once (slices of one GPU): per
+    uuid, the (memory, SM) limits are compared as multisets, sorted, never by position."""
+    # uuid -> [(memory limit in bytes, SM limit as written)], in order of first appearance
+    wanted: dict[str, list[tuple[int, int]]] = {}
     for a in allocated:
-        d = have.get(a.uuid)
-        if d is None:
-            problems.append(f"{a.uuid} allocated but not in the cache file")
-            continue
-        if d.limit_bytes != a.mem_mib * MiB:
-            problems.append(f"{a.uuid} memory limit {d.limit_bytes} B, allocated {a.mem_mib} MiB")
-        if _sm(d.sm_limit) != _sm(a.cores):
-            problems.append(f"{a.uuid} SM limit {d.sm_limit} %, allocated {a.cores} %")
+        wanted.setdefault(a.uuid, []).append((a.mem_mib * MiB, a.cores))
+    have: dict[str, list[tuple[int, int]]] = {}
     for d in devices:
-        if d.uuid not in wanted:
-            problems.append(f"{d.uuid} in the cache file but not allocated")
+        have.setdefault(d.uuid, []).append((d.limit_bytes, d.sm_limit))
+
+    def ordered(limits: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return sorted(limits, key=lambda x: (x[0], _sm(x[1])))
+
+    problems: list[str] = []
+    for uuid, want in wanted.items():
+        got = have.get(uuid)
+        if got is None:
+            problems.append(f"{uuid} allocated but not in the cache file")
+            continue
+        if len(got) != len(want):
+            problems.append(
+                f"{uuid} allocated {_times(len(want))}, in the cache file {_times(len(got))}"
+            )
+            continue
+        for (mem, sm), (a_mem, a_cores) in zip(ordered(got), ordered(want), strict=True):
+            if mem != a_mem:
+                problems.append(f"{uuid} memory limit {mem} B, allocated {a_mem // MiB} MiB")
+            if _sm(sm) != _sm(a_cores):
+                problems.append(f"{uuid} SM limit {sm} %, allocated {a_cores} %")
+    for uuid in have:
+        if uuid not in wanted:
+            problems.append(f"{uuid} in the cache file but not allocated")
     return "; ".join(problems) or None
