@@ -28,6 +28,7 @@ from streams import (
     create_topic,
     csv_lines,
     hami,
+    produce,
     read_billing,
     read_csv,
     recent_t0,
@@ -134,6 +135,48 @@ def test_two_replicas_with_csv_killed_in_turn_write_each_record_once(
     assert len(lines) == len(set(lines)), "a CSV line was written twice"
     assert sorted(lines) == sorted(csv_lines(expected)), "CSV lines missing"
     assert read_csv(tmp_path / "a.csv") and read_csv(tmp_path / "b.csv")
+
+
+@pytest.mark.kafka
+def test_a_replica_on_standby_cuts_its_files_back_at_start(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """Replica b wrote past its last commit and crashed; restarted while replica a holds the
+    only partition, it gets none. Its file is still cut back to its commit at once (it was cut
+    only at its first assignment: a standby replica's uncommitted lines or Parquet parts stood
+    beside the ones a recomputed)."""
+    t0 = recent_t0(SPEC.seconds)
+    msgs = [m for s in Stream(tmp_path / "nodes", t0, SPEC, NODES).seconds() for m in s]
+    asyncio.run(create_topic(kafka_bootstrap, kafka_topic, 1))
+    asyncio.run(create_topic(kafka_bootstrap, f"{kafka_topic}.billing", 1))
+    asyncio.run(produce(kafka_bootstrap, kafka_topic, msgs))
+
+    def args(name: str) -> list[str]:  # a sorts first: the round robin gives a the partition
+        return [
+            "aggregate", "--kafka", kafka_bootstrap, "--topic", kafka_topic,
+            "--billing-topic", f"{kafka_topic}.billing", "--group", f"{kafka_topic}.g",
+            "--instance", name, *WINDOW_FLAGS, "--csv", str(tmp_path / f"{name}.csv"),
+        ]  # fmt: skip
+
+    drained = hami(*args("b"), "--drain", timeout=180)
+    assert drained.returncode == 0, drained.stderr[-3000:]
+    b_csv = tmp_path / "b.csv"
+    committed = b_csv.stat().st_size
+    with b_csv.open("a") as f:
+        f.write("written after the last commit,then a crash\n")
+    services = [Service(args("a"), tmp_path / "a.err")]
+    try:
+        services[0].wait_assigned()
+        services.append(Service(args("b"), tmp_path / "b.err"))
+        deadline = time.monotonic() + 60
+        while b_csv.stat().st_size != committed:
+            assert services[1].proc.poll() is None, services[1].stderr()[-3000:]
+            assert time.monotonic() < deadline, "not cut back: " + services[1].stderr()[-3000:]
+            time.sleep(0.1)
+    finally:
+        for svc in services:
+            svc.kill()
+    assert "partition=" not in services[1].stderr()  # b was never assigned one
 
 
 def test_the_log_shows_every_assignment_and_holds_back_repeated_warnings() -> None:

@@ -86,6 +86,34 @@ def test_the_parquet_part_count_survives_a_merge_with_older_commits(tmp_path: Pa
     again.close_files()
 
 
+def test_an_output_left_out_of_a_run_keeps_what_was_committed_for_it(tmp_path: Path) -> None:
+    """A run without `--csv` committed the CSV's length as 0, and the next run with it cut the
+    file to nothing; a run without `parquet` dropped the part count, and another replica's
+    older copy of it then made the restart with `parquet` delete committed parts."""
+    records = reference(build(tmp_path / "nodes", T0_MS))
+    csv_path, parts = tmp_path / "0.csv", tmp_path / "pq"
+    out = Outputs.open(str(csv_path), None, None, None, "0", str(parts))
+    out.write(records[:10])
+    stale = out.checkpoint(T0_MS)  # what another replica goes on carrying for replica 0
+    for i in range(1, 5):
+        out.write(records[i * 10 : i * 10 + 10])
+    first = out.checkpoint(T0_MS)
+    out.close_files()
+    size = csv_path.stat().st_size
+    assert first.replicas["0"] == [size, -1, 5]  # -1: no JSONL ever written
+    without = Outputs.open(None, None, None, first, "0", None)  # neither CSV nor Parquet
+    second = without.checkpoint(T0_MS)
+    assert second.replicas["0"] == [size, -1, 5]
+    merged = merge_checkpoints([second, stale])
+    assert merged is not None and merged.replicas["0"] == [size, -1, 5]
+    again = Outputs.open(str(csv_path), str(tmp_path / "0.jsonl"), None, merged, "0", str(parts))
+    assert csv_path.stat().st_size == size
+    assert len(list(parts.rglob("*.parquet"))) == 5
+    assert again.first_start  # the JSONL's length is committed at once
+    assert again.checkpoint(T0_MS).replicas["0"] == [size, 0, 5]
+    again.close_files()
+
+
 class Crash(Exception):
     """A stand-in for SIGKILL: the part is on disk, the commit never happens."""
 

@@ -59,6 +59,8 @@ class ParquetSink:
     def _parts(self) -> dict[int, list[Path]]:
         parts: dict[int, list[Path]] = {}
         for day in self.path.glob("day=*"):
+            if not day.is_dir():
+                continue  # (not ours: parts are only ever written in folders)
             for f in day.iterdir():
                 m = _PART.fullmatch(f.name)
                 if m is None or m["instance"] != self.instance:

@@ -23,7 +23,7 @@ from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -62,19 +62,30 @@ class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
     jsonl_bytes: int = 0
     replicas: dict[str, list[int]] = {}
 
-    def lengths_of(self, instance: str) -> tuple[int, int] | None:
-        """The committed file lengths of replica `instance`; None if it never committed."""
+    def lengths_of(self, instance: str) -> tuple[int | None, int | None] | None:
+        """The committed file lengths of replica `instance` (None for a file it never wrote);
+        None if it never committed."""
         if not self.replicas:
             return self.csv_bytes, self.jsonl_bytes
         mine = self.replicas.get(instance)
         if mine is None or len(mine) < 2:
             return None
-        return mine[0], mine[1]
+        return _written(mine[0]), _written(mine[1])
 
     def parquet_of(self, instance: str) -> int | None:
         """The committed Parquet part count of replica `instance`; None if it has none."""
         mine = self.replicas.get(instance)
-        return mine[2] if mine is not None and len(mine) >= 3 else None
+        return _written(mine[2]) if mine is not None and len(mine) >= 3 else None
+
+
+# In a replica's committed lengths: an output it has never written (not configured). An output
+# not configured in one run keeps what was committed for it before (a run without --csv
+# committed its length as 0, and the next run with it cut the file to nothing).
+NEVER_WRITTEN: Final = -1
+
+
+def _written(length: int) -> int | None:
+    return None if length == NEVER_WRITTEN else length
 
 
 def parse_checkpoint(text: str | None, where: str = "checkpoint") -> Checkpoint:
@@ -170,9 +181,13 @@ class Outputs:
         self.replicas = dict(resume.replicas) if resume is not None else {}
         self.first_start = lengths is None
         if csv:
-            self.csv = CsvSink(Path(csv), resume_at=lengths[0] if lengths else None)
+            at = lengths[0] if lengths else None
+            self.csv = CsvSink(Path(csv), resume_at=at)
+            self.first_start = self.first_start or at is None  # (first written this run)
         if jsonl:
-            self.jsonl = JsonlSink(Path(jsonl), resume_at=lengths[1] if lengths else None)
+            at = lengths[1] if lengths else None
+            self.jsonl = JsonlSink(Path(jsonl), resume_at=at)
+            self.first_start = self.first_start or at is None
         if parquet:
             from .parquet import ParquetSink
 
@@ -213,11 +228,17 @@ class Outputs:
         self.otlp.push()
 
     def checkpoint(self, emitted_until_ms: int) -> Checkpoint:
-        mine = [self.csv.tell() if self.csv else 0, self.jsonl.tell() if self.jsonl else 0]
-        if self.parquet is not None:
-            mine.append(self.parquet.tell())
+        """The commit metadata: this replica's lengths now, an output not open in this run
+        keeping the value last committed for it (NEVER_WRITTEN if none)."""
+        was = self.replicas.get(self.instance, [])
+        mine = [
+            sink.tell() if sink is not None else was[i] if i < len(was) else NEVER_WRITTEN
+            for i, sink in enumerate((self.csv, self.jsonl, self.parquet))
+        ]
+        if self.parquet is None and len(was) < 3:
+            del mine[2]  # (never written with --parquet: no part count)
         self.replicas[self.instance] = mine
-        return Checkpoint(emitted_until_ms, mine[0], mine[1], dict(self.replicas))
+        return Checkpoint(emitted_until_ms, max(mine[0], 0), max(mine[1], 0), dict(self.replicas))
 
     def close(self) -> None:
         self.close_files()
@@ -513,16 +534,11 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             await warn_on_mismatch(settings.kafka, settings.security, settings.topics)
         await admin.start()
         await producer.start()
-        await consumer.start()
-        # Wait for the first assignment: the file outputs resume from its checkpoint. The
-        # group join runs in aiokafka's own task; a getmany here would hand out (and this
-        # loop drop) records of partitions that are being assigned.
-        while not aggs and not stopping.is_set() and not failed:
-            await asyncio.sleep(0.05)
-        if failed:
-            raise failed[0]
-        # Every partition's checkpoint, not only this assignment's: this replica's own file
-        # lengths are in the last commit it made, whichever partitions that covered.
+        # Every partition's checkpoint, not only an assignment's: this replica's own file
+        # lengths are in the last commit it made, whichever partitions that covered. Its files
+        # are cut back to them before it joins the group, whatever it is then assigned: it is
+        # their only writer, and a replica on standby (no partition) had left a crash's
+        # uncommitted parts beside those another replica recomputed.
         everything = merge_checkpoints(
             parse_checkpoint(om.metadata, f"checkpoint of group {settings.group}")
             for om in (await committed_offsets(admin, settings.group, None)).values()
@@ -536,7 +552,14 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             settings.instance,
             settings.parquet,
         )
-        if outputs.first_start:
+        await consumer.start()
+        # Wait for the first assignment. The group join runs in aiokafka's own task; a getmany
+        # here would hand out (and this loop drop) records of partitions being assigned.
+        while not aggs and not stopping.is_set() and not failed:
+            await asyncio.sleep(0.05)
+        if failed:
+            raise failed[0]
+        if outputs.first_start and aggs:
             # This replica's (or the group's) first start: commit where its files stand now,
             # so a crash before the first window closes cuts back to here rather than
             # appending twice.
