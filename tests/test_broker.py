@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
@@ -17,6 +18,7 @@ from aiokafka.structs import OffsetAndMetadata, OffsetAndTimestamp, TopicPartiti
 from broker import PrivateBroker
 
 from collector.aggregate.service import committed_offsets
+from collector.transport.stable_offsets import UnstableOffsets, fetch_stable_offsets
 
 pytestmark = pytest.mark.kafka
 
@@ -138,6 +140,46 @@ async def test_transactions_with_consumer_offsets(kafka_bootstrap: str, kafka_to
     async with consumer(kafka_bootstrap, src, group_id=group) as c:
         batch = await fetch(c, src_tp)
         assert batch[0].offset == 5
+
+
+async def test_offsets_of_a_pending_transaction_are_never_read_as_the_committed_ones(
+    kafka_bootstrap: str, kafka_topic: str
+) -> None:
+    """A replica taking over a partition reads its committed offsets: while a transaction that
+    committed offsets is not applied yet, aiokafka's own read (OffsetFetch v3) gives the offsets
+    from before it (that replica then published its windows again), `fetch_stable_offsets`
+    (v7, require_stable) says they are unstable; applied, both give them."""
+    group = f"g-{uuid.uuid4().hex}"
+    tp = TopicPartition(kafka_topic, 0)
+    async with AIOKafkaProducer(bootstrap_servers=kafka_bootstrap) as p:
+        await p.send_and_wait(kafka_topic, b"x", partition=0)
+    txp = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=group)
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        async with txp:
+            async with txp.transaction():
+                await txp.send_offsets_to_transaction({tp: 1}, group)
+            await txp.begin_transaction()
+            await txp.send_offsets_to_transaction({tp: OffsetAndMetadata(7, "next")}, group)
+            # pending: the old read gives what was before, the stable one refuses
+            assert (await admin.list_consumer_group_offsets(group, partitions=[tp]))[tp].offset == 1
+            with pytest.raises(UnstableOffsets):
+                await fetch_stable_offsets(admin, group, [tp])
+            await txp.commit_transaction()
+        async with asyncio.timeout(30):
+            while True:  # applied once the markers are written
+                with contextlib.suppress(UnstableOffsets):
+                    found = await fetch_stable_offsets(admin, group, [tp])
+                    break
+                await asyncio.sleep(0.05)
+        assert found == {tp: OffsetAndMetadata(7, "next")}
+        assert await fetch_stable_offsets(admin, group, None) == found
+        assert await committed_offsets(admin, group, [tp]) == found
+        never = TopicPartition(kafka_topic, 1)
+        assert (await fetch_stable_offsets(admin, group, [never]))[never].offset == -1
+    finally:
+        await admin.close()
 
 
 async def test_offsets_for_times(kafka_bootstrap: str, kafka_topic: str) -> None:

@@ -636,16 +636,21 @@ async def committed_offsets(admin: Any, group: str, tps: list[Any] | None) -> di
     a partition never committed has offset -1.
 
     Right after a broker restart the coordinator answers with no partitions at all while it
-    loads its offsets (aiokafka returns {} then). Starting from the beginning at that moment
-    would bill everything again, so this waits for a complete answer, and gives up loudly."""
+    loads its offsets ({} then). Starting from the beginning at that moment would bill
+    everything again, so this waits for a complete answer, and gives up loudly. Likewise while
+    a committed transaction's offsets are not applied yet (a partition taken over right after
+    its previous owner's last commit): read before it, its windows would be published again
+    (see `stable_offsets`)."""
+    from ..transport.stable_offsets import UnstableOffsets, fetch_stable_offsets
+
     async for attempt in AsyncRetrying(
         stop=stop_after_delay(60),
         wait=wait_exponential(multiplier=0.1, max=2),
-        retry=retry_if_exception_type(CheckpointUnavailable),
+        retry=retry_if_exception_type((CheckpointUnavailable, UnstableOffsets)),
         reraise=True,
     ):
         with attempt:
-            found = await admin.list_consumer_group_offsets(group, partitions=tps)
+            found = await fetch_stable_offsets(admin, group, tps)
             if tps is not None and any(tp not in found for tp in tps):
                 raise CheckpointUnavailable(f"no committed offsets for group {group} yet")
     return dict(found)
