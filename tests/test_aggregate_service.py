@@ -48,6 +48,7 @@ from streams import (
     write_local_log,
 )
 
+from collector.aggregate.parquet import day_of
 from collector.aggregate.records import BillingRecord, make_record_id
 from collector.aggregate.service import Checkpoint
 from collector.transport.locallog import LogReader
@@ -239,6 +240,21 @@ def test_a_signal_while_waiting_for_the_broker_stops_at_once(tmp_path: Path, dra
     assert time.monotonic() - started < 10
     assert "stopped while waiting for the broker at 127.0.0.1:1: nothing was read" in rest
     assert "Traceback" not in rest
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """A file where a Parquet day folder goes (or a full disk): a traceback before."""
+    msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
+    _, csv, _, cmd = local_run(tmp_path, msgs)
+    parts = tmp_path / "pq"
+    parts.mkdir()
+    (parts / f"day={day_of(T0_MS)}").write_text("not a folder")
+    proc = hami(*cmd, "--parquet", parts)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.endswith(
+        f"hami-usage aggregate: cannot write {parts}/day={day_of(T0_MS)}: File exists\n"
+    ), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_first_start_killed_at_its_first_commit_left_what_it_committed(

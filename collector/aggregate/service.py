@@ -213,8 +213,12 @@ class Outputs:
     def write(self, records: list[BillingRecord]) -> None:
         for sink in (self.csv, self.jsonl, self.parquet):
             if sink is not None:
-                sink.write(records)
-                sink.flush()
+                try:
+                    sink.write(records)
+                    sink.flush()
+                except OSError as exc:  # a full disk, a file where a day folder goes
+                    where = exc.filename or sink.path
+                    raise OutputError(f"cannot write {where}: {exc.strerror or exc}") from None
         self.written += len(records)
 
     def export(self, records: list[BillingRecord], aggregators: Iterable[Aggregator]) -> None:
@@ -625,6 +629,11 @@ async def _unless_stopped(work: Coroutine[Any, Any, None], stopping: asyncio.Eve
         return False
     task.result()  # (what it raised)
     return True
+
+
+class OutputError(Exception):
+    """An output file cannot be written: nothing after its last commit is lost (a restart cuts
+    it back and writes the windows again), but the service cannot go on; one line."""
 
 
 class CheckpointUnavailable(Exception):

@@ -90,7 +90,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..aggregate.service import AggregateSettings, aggregate
+    from ..aggregate.service import AggregateSettings, OutputError, aggregate
     from ..transport.http import ListenError
 
     cfg = load_settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
@@ -126,6 +126,9 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_CHECKPOINT
     except ListenError as exc:
         raise UsageError(f"hami-usage aggregate: --health-port {exc}") from None
+    except OutputError as exc:
+        print(f"hami-usage aggregate: {exc}", file=sys.stderr)
+        return 1
     if cfg.drain and not settings.drained:
         # Stopped by a signal before the end of the input: what is written stands (a later
         # --drain resumes from the commit), but it is not the whole input.
