@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from ..transport.locallog import CorruptCheckpointError, LogReader, ReaderStats
 from ..transport.security import KafkaSecurity
@@ -649,13 +654,21 @@ async def committed_offsets(admin: Any, group: str, tps: list[Any] | None) -> di
     everything again, so this waits for a complete answer, and gives up loudly. Likewise while
     a committed transaction's offsets are not applied yet (a partition taken over right after
     its previous owner's last commit): read before it, its windows would be published again
-    (see `stable_offsets`)."""
+    (see `stable_offsets`). And while the group has no coordinator yet (a fresh broker creates
+    its offsets topic at the first group's use): a replica reads its checkpoint before it joins.
+    """
     from ..transport.stable_offsets import UnstableOffsets, fetch_stable_offsets
+
+    def again(exc: BaseException) -> bool:
+        # (aiokafka marks a coordinator not available, moving or loading as retriable)
+        return isinstance(exc, CheckpointUnavailable | UnstableOffsets) or getattr(
+            exc, "retriable", False
+        )
 
     async for attempt in AsyncRetrying(
         stop=stop_after_delay(60),
         wait=wait_exponential(multiplier=0.1, max=2),
-        retry=retry_if_exception_type((CheckpointUnavailable, UnstableOffsets)),
+        retry=retry_if_exception(again),
         reraise=True,
     ):
         with attempt:
