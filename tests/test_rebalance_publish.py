@@ -2,7 +2,8 @@
 partition taken away mid-transaction leaves with the offsets of the records that transaction
 published, so its next owner does not publish them again. aiokafka runs the rebalance listener
 in its own task, at any await of the replica's loop; here the first billing send is held long
-enough (10 s, past a heartbeat) for the second replica's join to take a partition during it."""
+enough (10 s, past a heartbeat; 15 s, past the session timeout) for the second replica's join
+to take a partition during it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from streams import (
     WINDOW,
     build,
@@ -25,16 +26,24 @@ from streams import (
 )
 from test_file_replicas import wait_group_empty
 
+from collector.aggregate.damage import CheckpointError
 from collector.aggregate.service import AggregateSettings, run_kafka
 
 pytestmark = pytest.mark.kafka
 
-HOLD_S = 10.0
 
 
+@pytest.mark.parametrize("hold_s", [10.0, 15.0])
 def test_a_partition_revoked_mid_publish_is_billed_once(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kafka_bootstrap: str,
+    kafka_topic: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    hold_s: float,
 ) -> None:
+    """15 s: longer than the session timeout, which aiokafka takes for the rebalance timeout
+    unless told otherwise; the member was dropped mid-commit and its partitions given out
+    with the offsets from before it."""
     t0 = recent_t0(300)
     msgs = build(tmp_path / "nodes", t0)
     billing = f"{kafka_topic}.billing"
@@ -54,7 +63,7 @@ def test_a_partition_revoked_mid_publish_is_billed_once(
     async def send(self: AIOKafkaProducer, topic: str, *args: Any, **kwargs: Any) -> Any:
         if topic == billing and not held.is_set():
             held.set()  # the first transaction with records: hold it while b joins
-            await asyncio.sleep(HOLD_S)
+            await asyncio.sleep(hold_s)
             joined.append(time.monotonic())
         return await real_send(self, topic, *args, **kwargs)
 
@@ -83,3 +92,37 @@ def test_a_partition_revoked_mid_publish_is_billed_once(
     ids = [r.record_id for r in got]
     assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} records published twice"
     assert got == sorted(reference(msgs), key=sort_key)
+
+
+def test_a_checkpoint_that_stays_unstable_stops_the_replica_with_one_line(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """A transaction that committed offsets for the group stays open (its producer was killed
+    inside it): the replica waits for it, and past its wait stops with CheckpointError (exit 4)
+    rather than start from offsets that are about to change."""
+    group = f"{kafka_topic}.g"
+    tp = TopicPartition(kafka_topic, 0)
+
+    async def scenario() -> None:
+        await create_topic(kafka_bootstrap, kafka_topic, 1)
+        await produce(kafka_bootstrap, kafka_topic, build(tmp_path / "nodes", recent_t0(60))[:5])
+        txp = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=group + "-x")
+        async with txp:
+            await txp.begin_transaction()
+            await txp.send_offsets_to_transaction({tp: 1}, group)
+            settings = AggregateSettings(
+                window=WINDOW, kafka=kafka_bootstrap, topic=kafka_topic, group=group,
+                billing_topic=f"{kafka_topic}.billing", log_dir=tmp_path, drain=True,
+                checkpoint_wait_s=3,
+            )  # fmt: skip
+            started = time.monotonic()
+            with pytest.raises(CheckpointError) as caught:
+                await run_kafka(settings, asyncio.Event())
+            assert 3 <= time.monotonic() - started < 30
+            await txp.abort_transaction()
+        assert str(caught.value).startswith(
+            f"committed offsets of group {group} not available after 3 s: "
+        )
+
+    asyncio.run(scenario())
+

@@ -53,6 +53,7 @@ HEALTH_STALE_AFTER_S = 60.0  # longest the input loop may stay away before /heal
 log = logging.getLogger(__name__)
 
 COMMIT_INTERVAL_S = 5.0
+CHECKPOINT_WAIT_S = 120.0  # longest wait for a complete and stable checkpoint (committed_offsets)
 
 
 class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -281,6 +282,7 @@ class AggregateSettings:
     start_from: str | int = "earliest"
     # Checked at start (a warning per difference), when given.
     topics: list[TopicSpec] = field(default_factory=list)
+    checkpoint_wait_s: float = CHECKPOINT_WAIT_S  # see committed_offsets
 
 
 class DamageWatch:
@@ -491,7 +493,15 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             # resume points).
             if not assigned:
                 return
-            committed = await committed_offsets(admin, settings.group, list(assigned))
+            try:
+                committed = await committed_offsets(
+                    admin, settings.group, list(assigned), settings.checkpoint_wait_s
+                )
+            except CheckpointError as exc:
+                # Raised here, aiokafka would log it and go on without these partitions:
+                # never read, never committed, until the next rebalance. The service stops.
+                failed.append(exc)
+                return
             fresh = await start_offsets(consumer, list(assigned), settings.start_from)
             for tp in assigned:
                 om = committed.get(tp)
@@ -550,7 +560,9 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         # uncommitted parts beside those another replica recomputed.
         everything = merge_checkpoints(
             parse_checkpoint(om.metadata, f"checkpoint of group {settings.group}")
-            for om in (await committed_offsets(admin, settings.group, None)).values()
+            for om in (
+                await committed_offsets(admin, settings.group, None, settings.checkpoint_wait_s)
+            ).values()
             if om.metadata
         )
         outputs = Outputs.open(
@@ -645,9 +657,12 @@ class CheckpointUnavailable(Exception):
     """The group coordinator would not say where this group stands."""
 
 
-async def committed_offsets(admin: Any, group: str, tps: list[Any] | None) -> dict[Any, Any]:
+async def committed_offsets(
+    admin: Any, group: str, tps: list[Any] | None, wait_s: float = CHECKPOINT_WAIT_S
+) -> dict[Any, Any]:
     """Committed offsets and metadata of `tps` (None: of every partition the group committed);
-    a partition never committed has offset -1.
+    a partition never committed has offset -1. CheckpointError after `wait_s` without a
+    complete and stable answer (exit 4: nothing is read from a checkpoint not known).
 
     Right after a broker restart the coordinator answers with no partitions at all while it
     loads its offsets ({} then). Starting from the beginning at that moment would bill
@@ -665,16 +680,26 @@ async def committed_offsets(admin: Any, group: str, tps: list[Any] | None) -> di
             exc, "retriable", False
         )
 
-    async for attempt in AsyncRetrying(
-        stop=stop_after_delay(60),
-        wait=wait_exponential(multiplier=0.1, max=2),
-        retry=retry_if_exception(again),
-        reraise=True,
-    ):
-        with attempt:
-            found = await fetch_stable_offsets(admin, group, tps)
-            if tps is not None and any(tp not in found for tp in tps):
-                raise CheckpointUnavailable(f"no committed offsets for group {group} yet")
+    try:
+        async for attempt in AsyncRetrying(
+            # A replica SIGKILLed inside a transaction leaves its offsets pending until the
+            # broker aborts it: the producer's transaction timeout (60 s), the broker's sweep
+            # (10 s).
+            stop=stop_after_delay(wait_s),
+            wait=wait_exponential(multiplier=0.1, max=2),
+            retry=retry_if_exception(again),
+            reraise=True,
+        ):
+            with attempt:
+                found = await fetch_stable_offsets(admin, group, tps)
+                if tps is not None and any(tp not in found for tp in tps):
+                    raise CheckpointUnavailable(f"no committed offsets for group {group} yet")
+    except Exception as exc:
+        if not again(exc):
+            raise
+        raise CheckpointError(
+            f"committed offsets of group {group} not available after {wait_s:g} s: {exc}"
+        ) from None
     return dict(found)
 
 
@@ -710,8 +735,9 @@ async def aggregate(settings: AggregateSettings) -> Outputs:
             settings.health_port,
             settings.liveness,
             stale_after_s=HEALTH_STALE_AFTER_S,
-            # Start-up may wait start_timeout_s for the broker: alive meanwhile.
-            start_grace_s=settings.start_timeout_s + 10,
+            # Start-up may wait start_timeout_s for the broker, then checkpoint_wait_s for the
+            # group's checkpoint: alive meanwhile.
+            start_grace_s=settings.start_timeout_s + settings.checkpoint_wait_s + 10,
         )
         port = await health.start()
         log.info("health on %s:%d/healthz", settings.health_bind_address, port)

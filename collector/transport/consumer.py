@@ -41,10 +41,19 @@ class ConsumerSettings:
     start_timeout_s: float = 10.0  # how long a reader waits for the broker to answer
 
 
+REBALANCE_TIMEOUT_MS = 120_000  # how long a rebalance waits for a member to rejoin
+
+
 def make_consumer(s: ConsumerSettings) -> AIOKafkaConsumer:
     group: dict[str, Any] = {}
     if s.group is not None:
         group["group_id"] = s.group
+        # A member revoking partitions waits for its transaction in flight to commit (the
+        # aggregator's rebalance listener). aiokafka's default is the session timeout (10 s):
+        # a commit that took longer got the member dropped from the group, its partitions
+        # given out with the offsets from before the transaction, which then still committed
+        # (aiokafka's transactional offsets carry no generation to fence it): billed twice.
+        group["rebalance_timeout_ms"] = REBALANCE_TIMEOUT_MS
         if s.group_instance_id is not None:
             group["group_instance_id"] = s.group_instance_id
     return AIOKafkaConsumer(
