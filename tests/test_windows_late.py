@@ -12,7 +12,6 @@ from test_windows import Collector, one, row, run
 
 from collector.aggregate.records import BillingRecord, record_order
 from collector.aggregate.windows import Aggregator, WindowSettings
-from collector.aggregate.windows.stats import AggregateStats
 from collector.events import Event
 
 
@@ -147,7 +146,7 @@ def late_deliveries(draw: st.DrawFn) -> tuple[list[tuple[str, Event]], list[bool
     return msgs, draw(st.lists(st.booleans(), min_size=len(msgs), max_size=len(msgs)))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(delivered=late_deliveries())
 def test_whether_an_event_is_late_does_not_depend_on_when_windows_were_closed(
     delivered: tuple[list[tuple[str, Event]], list[bool]],
@@ -156,7 +155,7 @@ def test_whether_an_event_is_late_does_not_depend_on_when_windows_were_closed(
     live, every few hundred records in a replay): the same records and late counts either way."""
     msgs, after = delivered
 
-    def feed(advance_after: list[bool]) -> tuple[list[BillingRecord], AggregateStats]:
+    def feed(advance_after: list[bool]) -> tuple[list[BillingRecord], int]:
         agg = Aggregator(LATE)
         out: list[BillingRecord] = []
         for offset, ((node, event), now) in enumerate(zip(msgs, advance_after, strict=True)):
@@ -164,7 +163,9 @@ def test_whether_an_event_is_late_does_not_depend_on_when_windows_were_closed(
             if now:
                 out += agg.advance()
         out += agg.advance() + agg.flush()
-        return sorted(out, key=record_order), agg.stats
+        # (late_ms_dropped is worked out at the close that applies a late event, from the
+        # events that close sees: a diagnostic that can differ with the cadence, see README)
+        return sorted(out, key=record_order), agg.stats.late_events
 
     every = feed([True] * len(msgs))
     assert feed(after) == every
