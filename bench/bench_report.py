@@ -1,7 +1,7 @@
 """`hami-usage report` over a month of Parquet billing records, on one core.
 
     .venv/bin/python bench/bench_report.py [--days 30] [--nodes 100] [--gpus 8] [--containers 4]
-                                           [--window-min 5] [--dir DIR] [--keep]
+                                           [--window-min 5] [--parts-per-day 1] [--dir DIR] [--keep]
 
 Writes what `aggregate --parquet` would have written for that fleet (per node, GPU and
 5-minute window: 4 container records at 25 % each, the GPU's record and its idle record; a
@@ -124,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-min", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--parts-per-day",
+        type=int,
+        default=1,
+        help="parts a day is written in (the aggregator writes about one per window closed)",
+    )
     args = ap.parse_args(argv)
     root = args.dir or Path(tempfile.mkdtemp(prefix="bench-report-"))
     window_ms = args.window_min * 60_000
@@ -134,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         folder = root / f"day={day}"
         folder.mkdir(parents=True, exist_ok=True)
         t = day_table(d, args.nodes, args.gpus, args.containers, window_ms)
-        pq.write_table(t, folder / "part-0000000000.parquet", compression="zstd")
+        step = -(-t.num_rows // args.parts_per_day)
+        for k, at in enumerate(range(0, t.num_rows, step)):
+            part = folder / f"part-0-{d * args.parts_per_day + k:010d}.parquet"
+            pq.write_table(t.slice(at, step), part, compression="zstd")
         rows += t.num_rows
         ctr_rows += t.num_rows * args.containers // (args.containers + 2)
     gen_s = time.perf_counter() - gen
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"report bench: {args.days} days x {args.nodes} nodes x {args.gpus} GPUs x "
-        f"{args.containers} containers, {args.window_min}-minute windows"
+        f"{args.containers} containers, {args.window_min}-minute windows, "
+        f"{args.parts_per_day} parts a day"
     )
     print(
         f"  records  {rows:>12,} ({ctr_rows:,} container records), "

@@ -29,6 +29,7 @@ from streams import HAMI_USAGE, T0_MS, env, hami, msg, write_local_log
 from test_fair_share import run, schedules
 
 from collector.aggregate.columns import to_table
+from collector.aggregate.parquet import ParquetSink
 from collector.aggregate.records import (
     CSV_FIELDS,
     SINCE_VERSION,
@@ -676,6 +677,26 @@ def _window(uuid: str, model: str = "NVIDIA H100", alloc_ms: int = 60_000) -> li
     ]
 
 
+def test_parts_with_different_namespaces_are_grouped_together(tmp_path: Path) -> None:
+    """Each part the sink writes has string dictionaries of its own: two parts with different
+    namespaces stopped the report's group-by with a traceback."""
+    sink = ParquetSink(tmp_path / "pq")
+    sink.write(_window("GPU-1"))
+    other = [
+        msgspec.structs.replace(r, namespace="other") if r.kind == "container" else r
+        for r in _window("GPU-2", alloc_ms=30_000)
+    ]
+    sink.write(other)
+    sink.close()
+    out = tmp_path / "bill.csv"
+    proc = hami("report", *SPAN, "--parquet", tmp_path / "pq", "--by", "namespace",
+                "--out-csv", out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["namespace"]: r["gpu_hours_allocated"] for r in csv.DictReader(out.open())
+            if r["kind"] == "group"}  # fmt: skip
+    assert rows == {"ns": "0.016667", "other": "0.008333"}
+
+
 def _page(records: list[BillingRecord], prices: str = "") -> str:
     summary = Summary(["namespace"], HOUR_MS, [])
     summary.add(to_table(records))
@@ -906,6 +927,66 @@ def test_a_damaged_parquet_part_is_one_line_and_exit_1(
     damage(part)
     proc = hami("report", *RANGE, "--parquet", copy)
     expected = f"hami-usage report: {part}: not a billing record Parquet file: {message}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+
+
+def _parts_of(pipeline: Path, tmp_path: Path, n: int) -> list[Path]:
+    """A copy of the pipeline's Parquet folder with its records cut into `n` parts, in order,
+    as an aggregator writes a part per close."""
+    copy = tmp_path / "pq"
+    day = copy / "day=2026-03-02"
+    day.mkdir(parents=True)
+    table = pa.concat_tables(
+        pq.read_table(p) for p in sorted((pipeline / "pq").glob("day=*/part-*.parquet"))
+    )
+    step = -(-table.num_rows // n)
+    parts = [day / f"part-0-{k:010d}.parquet" for k in range(n)]
+    for k, part in enumerate(parts):
+        pq.write_table(table.slice(k * step, step), part)
+    return parts
+
+
+def test_many_small_parts_give_the_same_bill_as_few(pipeline: Path, tmp_path: Path) -> None:
+    """Parts are read one by one and checked a table at a time: 40 parts, the bill of 2."""
+    _parts_of(pipeline, tmp_path, 40)
+    assert report(pipeline, "--parquet", tmp_path / "pq", "--by", "pod") == report(
+        pipeline, "--parquet", pipeline / "pq", "--by", "pod"
+    )
+
+
+def test_a_range_of_centuries_reads_the_day_folders_there_are(pipeline: Path) -> None:
+    wide = ["--from", "1970-01-01T00:00:00Z", "--to", "9999-12-31T00:00:00Z"]
+    out = pipeline / "wide.csv"
+    proc = hami("report", *wide, "--prices", pipeline / "prices.toml", "--out-csv", out,
+                "--parquet", pipeline / "pq", "--by", "pod")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == report(pipeline, "--parquet", pipeline / "pq", "--by", "pod")[1]
+
+
+def _set_column(part: Path, column: str, value: object) -> None:
+    table = pq.read_table(part)
+    values = pa.array([value] * table.num_rows, table.schema.field(column).type)
+    pq.write_table(table.set_column(table.schema.get_field_index(column), column, values), part)
+
+
+def test_the_first_part_at_fault_is_named_among_parts_read_together(
+    pipeline: Path, tmp_path: Path
+) -> None:
+    """The numbers of many parts are checked at once: the one named is still the first part
+    that holds such a number, and it is named before a later part's damage."""
+    parts = _parts_of(pipeline, tmp_path, 10)
+    _set_column(parts[6], "allocated_gpu_seconds", -1.0)
+    _set_column(parts[8], "used_gpu_seconds", float("nan"))
+    proc = hami("report", *RANGE, "--parquet", tmp_path / "pq")
+    expected = f"hami-usage report: {parts[6]}: not a billing record: {OUT_OF_RANGE}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+    parts[9].write_bytes(b"PAR1 not really")  # a damaged part after them: still part 6
+    proc = hami("report", *RANGE, "--parquet", tmp_path / "pq")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+    _set_column(parts[6], "allocated_gpu_seconds", 1.0)
+    _set_column(parts[8], "used_gpu_seconds", 1.0)
+    proc = hami("report", *RANGE, "--parquet", tmp_path / "pq")
+    expected = f"hami-usage report: {parts[9]}: not a billing record Parquet file: {NOT_PARQUET}\n"
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
 
 

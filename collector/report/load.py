@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import os
+import re
 import typing
 from collections.abc import Iterable, Iterator
 from decimal import Decimal
@@ -230,43 +232,74 @@ def _arrow_error(path: str, e: Exception) -> LoadError:
     return LoadError(f"{path}: not a billing record Parquet file: {text}")
 
 
+_DAY = re.compile(r"day=\d{4}-\d{2}-\d{2}")
+
+
 def from_parquet(
     root: Path, from_ms: int, to_ms: int, columns: list[str], batch_rows: int = 1 << 20
 ) -> Iterator[pa.Table]:
     """The day partitions that can hold [from, to), then a row filter on the window start;
-    in batches of at most `batch_rows` rows, so memory stays bounded whatever the range.
+    in tables of about `batch_rows` rows, so memory stays bounded whatever the range.
 
-    Read file by file, so that a damaged part (cut short, not Parquet, a column of another
-    type) or a number no record can hold (null, NaN, infinite, negative, above RECORD_MAX) is
-    a LoadError naming it, as a CSV or JSONL line is."""
+    Read part by part (`ParquetFile`, no dataset scanner: an aggregator writes about a part per
+    window it closes, and the scanner's set-up per part cost twice the read of a small one), so
+    that a damaged part (cut short, not Parquet, a column of another type) or a number no
+    record can hold (null, NaN, infinite, negative, above RECORD_MAX) is a LoadError naming it,
+    as a CSV or JSONL line is. The numbers are checked a table at a time, not a part at a time
+    (the check's cost is per call); a table that fails is checked again part by part to name
+    the first part at fault, before any later part's damage is reported."""
     import pyarrow as pa
-    import pyarrow.dataset as ds
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
 
     from ..aggregate.columns import arrow_schema
-    from ..aggregate.parquet import DAY_MS, day_of
+    from ..aggregate.parquet import day_of
 
     if not root.is_dir():
         raise LoadError(f"{root}: not a directory")
-    days = {day_of(d) for d in range(from_ms - from_ms % DAY_MS, to_ms, DAY_MS)}
-    files = sorted(str(f) for d in sorted(days) for f in (root / f"day={d}").glob("part-*.parquet"))
+    # The day folders there are, not every day of the range: `--from 1970-01-01` would
+    # otherwise look for 20 000 folders.
+    first, last = day_of(from_ms), day_of(to_ms - 1)
+    try:
+        days = sorted(
+            e.name
+            for e in os.scandir(root)
+            if _DAY.fullmatch(e.name) and first <= e.name[4:] <= last
+        )
+    except OSError as e:
+        raise LoadError(f"{root}: {e.strerror}") from None
+    files = [
+        str(f) for d in days if from_ms < to_ms for f in sorted((root / d).glob("part-*.parquet"))
+    ]
+    expected = arrow_schema()
     # Strings stay dictionary-encoded as Parquet stores them: filters and group-bys then move
     # small integers, not the strings of every row.
-    strings = [f.name for f in arrow_schema() if pa.types.is_string(f.type)]
-    schema = pa.schema(
+    strings = [n for n in columns if pa.types.is_string(expected.field(n).type)]
+    target = pa.schema(
         [
-            pa.field(f.name, pa.dictionary(pa.int32(), pa.string())) if f.name in strings else f
-            for f in arrow_schema()
+            pa.field(n, pa.dictionary(pa.int32(), pa.string()))
+            if n in strings
+            else expected.field(n)
+            for n in columns
         ]
     )
-    expected = arrow_schema()
-    fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(dictionary_columns=strings))
-    flt = (ds.field("window_start_ms") >= from_ms) & (ds.field("window_start_ms") < to_ms)
-    pending: list[pa.RecordBatch] = []
+    pending: list[tuple[str, pa.RecordBatch]] = []
     rows = 0
+
+    def checked_table() -> pa.Table:
+        table = pa.Table.from_batches([b for _, b in pending], schema=target)
+        if _parquet_check(table) is not None:
+            for path, batch in pending:
+                why = _parquet_check(batch)
+                if why is not None:
+                    raise LoadError(f"{path}: not a billing record: {why}")
+        # Each part has dictionaries of its own; the report's group-by takes one per column.
+        return table.unify_dictionaries()
+
     for path in files:
         try:
-            fragment = next(iter(ds.dataset([path], schema=schema, format=fmt).get_fragments()))
-            physical = fragment.physical_schema
+            part = pq.ParquetFile(path, read_dictionary=strings)
+            physical = part.schema_arrow
             for name in columns:
                 i = physical.get_field_index(name)
                 want = expected.field(name).type
@@ -275,27 +308,45 @@ def from_parquet(
                     raise LoadError(
                         f"{path}: not a billing record Parquet file: {name} is {got}, not {want}"
                     )
-            # One batch ahead at most: the scanner's default read-ahead (16 batches) is what
-            # the memory of a month-long report grows with.
-            batches = fragment.to_batches(
-                schema=schema,
-                columns=columns,
-                filter=flt,
-                batch_size=batch_rows,
-                batch_readahead=1,
-            )
-            for batch in batches:
+            present = [n for n in columns if physical.get_field_index(n) >= 0]
+            for batch in part.iter_batches(batch_size=batch_rows, columns=present):
+                start = batch.column("window_start_ms")
+                keep = pc.and_(pc.greater_equal(start, from_ms), pc.less(start, to_ms))
+                if not _all(keep):
+                    batch = batch.filter(keep)
                 if not batch.num_rows:
                     continue
-                why = _parquet_check(batch)
-                if why is not None:
-                    raise LoadError(f"{path}: not a billing record: {why}")
-                pending.append(batch)
+                pending.append((path, _conform(batch, target)))
                 rows += batch.num_rows
                 if rows >= batch_rows:
-                    yield pa.Table.from_batches(pending)
+                    yield checked_table()
                     pending, rows = [], 0
-        except (pa.ArrowException, OSError) as e:
-            raise _arrow_error(path, e) from None
+        except (pa.ArrowException, OSError, LoadError) as e:
+            if pending:
+                checked_table()  # an earlier part's number first, as read in order
+            raise e if isinstance(e, LoadError) else _arrow_error(path, e) from None
     if pending:
-        yield pa.Table.from_batches(pending)
+        yield checked_table()
+
+
+def _all(mask: pa.Array) -> bool:
+    import pyarrow.compute as pc
+
+    result: object = pc.all(mask, skip_nulls=False, min_count=0).as_py()
+    return result is True
+
+
+def _conform(batch: pa.RecordBatch, target: pa.Schema) -> pa.RecordBatch:
+    """`batch` with `target`'s columns, in its order and types: a column a part lacks (a
+    field later than its records' version) reads as null, as the dataset reader made it."""
+    import pyarrow as pa
+
+    arrays = []
+    for field in target:
+        i = batch.schema.get_field_index(field.name)
+        if i < 0:
+            arrays.append(pa.nulls(batch.num_rows, field.type))
+            continue
+        column = batch.column(i)
+        arrays.append(column if column.type.equals(field.type) else column.cast(field.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=target)
