@@ -12,8 +12,13 @@ and the API server stand-in: `test_presence_k8s.py`.
 
 from __future__ import annotations
 
+import errno
+import os
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from collector.aggregate.records import BillingRecord
 from collector.aggregate.windows import Aggregator, WindowSettings
@@ -25,13 +30,14 @@ from collector.events import (
     Heartbeat,
     Identity,
     LayoutAnomaly,
+    UsageSample,
 )
 from collector.layout.declarations import V12
 from collector.node.identity import IdentityStage
 from collector.node.pods import PodView, Run
 from collector.node.presence import PresenceStage
 from collector.node.scan import Scanner
-from collector.simulate import GiB, SimDevice, new_cache_file
+from collector.simulate import GiB, MiB, SimDevice, new_cache_file
 
 JOB = "0b8e6a43-2f7e-4a6c-9d1e-6f5e1c0a9b11"
 DEP = "7c1d2e3f-4a5b-4c6d-8e9f-0a1b2c3d4e5f"
@@ -166,6 +172,15 @@ def limits_billed(events: list[Event]) -> dict[str, Decimal]:
     return {r.pod_uid: r.memory_limit_byte_seconds for r in agg.flush() if r.kind == "container"}
 
 
+def forgotten_at_30(second: int) -> dict[str, PodView]:
+    """The watch's view: the Job runs, ends at +8 (seen at +9), and is gone from +30."""
+    if second < 9:
+        return {JOB: job("running")}
+    if second < 30:
+        return {JOB: job("terminated", 0, 8, phase="Succeeded")}
+    return {}
+
+
 def test_a_finished_folder_stays_unbilled_once_its_pod_is_forgotten(tmp_path: Path) -> None:
     """The Job's container ends at +8; from +30 the watch no longer has its pod (deleted, then
     forgotten after `keep_deleted_s`). Its folder is still there: never tracked again, so its
@@ -177,12 +192,7 @@ def test_a_finished_folder_stays_unbilled_once_its_pod_is_forgotten(tmp_path: Pa
                       identity=IdentityStage(lambda: current), presence=presence)  # fmt: skip
     events: list[Event] = []
     for s in range(60):
-        if s < 9:
-            current = {JOB: job("running")}
-        elif s < 30:
-            current = {JOB: job("terminated", 0, 8, phase="Succeeded")}
-        else:
-            current = {}
+        current = forgotten_at_30(s)
         events += scanner.scan(now_ms=T0 + s * 1000)
     w.close()
     assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0]
@@ -190,6 +200,98 @@ def test_a_finished_folder_stays_unbilled_once_its_pod_is_forgotten(tmp_path: Pa
     assert presence.stale == 1
     limit = limits_billed(events)
     assert limit == {JOB: 4 * GiB * 8}
+
+
+@pytest.mark.parametrize("unlisted", ["root", "folder"])
+def test_a_failed_listing_leaves_a_finished_folder_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unlisted: str
+) -> None:
+    """As above, and the scans at +20 (the pod still in the watch) and +40 (forgotten) cannot
+    list the root, or the Job's folder (EIO): what it holds is unknown then, not gone. The
+    folder stays stale through both: `stale_container` once, never tracked again, its limit
+    billed for the 8 s it ran."""
+    root = tmp_path / "root"
+    w = new_cache_file(root, JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    current: dict[str, PodView] = {}
+    presence = PresenceStage(lambda: current)
+    scanner = Scanner(root, heartbeat_s=10, inc=1, presence=presence)
+    discovery = scanner.discovery
+    real_scandir, real_open_dir = os.scandir, discovery._open_dir
+
+    def scandir(path: Any) -> Any:
+        if path == discovery._root_fd:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_scandir(path)
+
+    def open_dir(name: str) -> int:
+        if name == w.path.parent.name:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_open_dir(name)
+
+    events: list[Event] = []
+    stale: list[int] = []
+    for s in range(60):
+        current = forgotten_at_30(s)
+        with monkeypatch.context() as m:
+            if s in (20, 40) and unlisted == "root":
+                m.setattr(os, "scandir", scandir)
+            elif s in (20, 40):
+                m.setattr(discovery, "_open_dir", open_dir)
+                os.utime(w.path.parent)  # its mtime moved: listed again
+            events += scanner.scan(now_ms=T0 + s * 1000)
+        stale.append(presence.stale)
+    w.close()
+    failed = [(e.ts - T0, e.path) for e in events
+              if isinstance(e, LayoutAnomaly) and e.anomaly == "skipped_path"]  # fmt: skip
+    where = str(root) if unlisted == "root" else str(w.path.parent)
+    assert failed == [(20_000, where), (40_000, where)]
+    reported = [e.ts - T0 for e in events
+                if isinstance(e, LayoutAnomaly) and e.anomaly == "stale_container"]  # fmt: skip
+    assert reported == [9_000]
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0]
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerGone)] == [9_000]
+    assert stale == [0] * 9 + [1] * 51
+    assert limits_billed(events) == {JOB: 4 * GiB * 8}
+
+
+def test_a_stale_folder_keeps_no_descriptor_open(tmp_path: Path) -> None:
+    """Six containers run; five end at +8 and their folders stay: only the running one's folder
+    and file are kept open from then on. One of the five is restarted at +20: its folder and
+    file are opened and read again."""
+    root = tmp_path / "root"
+    uids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(6)]
+    writers = [new_cache_file(root, uid, "main", V12, [SimDevice("GPU-a", GiB, 10)])
+               for uid in uids]  # fmt: skip
+
+    def view(uid: str, run: Run, phase: str = "Running") -> PodView:
+        return PodView(Identity(uid, "ml", uid[:8], "Job", uid[:8], {}), ("main",), None, None,
+                       phase=phase, runs=(run,))  # fmt: skip
+
+    running = Run("main", "running", iso(0))
+    ended = Run("main", "terminated", iso(0), iso(8))
+    restarted = Run("main", "running", iso(19), last_finished=iso(8), restarts=1)
+    current: dict[str, PodView] = {}
+    scanner = Scanner(root, heartbeat_s=3600, inc=1, presence=PresenceStage(lambda: current))
+    kept: list[int] = []
+    events: list[Event] = []
+    for s in range(30):
+        current = {uid: view(uid, running) for uid in uids}
+        if s >= 9:
+            current |= {uid: view(uid, ended, "Succeeded") for uid in uids[1:]}
+        if s >= 20:
+            current[uids[1]] = view(uids[1], restarted)
+        if s == 25:
+            writers[1].add_process(1, 4001)
+            writers[1].add_memory(1, 0, "data", MiB)
+        events += scanner.scan(now_ms=T0 + s * 1000)
+        kept.append(scanner.discovery.open_count)
+    for w in writers:
+        w.close()
+    assert kept == [12] * 9 + [2] * 11 + [4] * 10  # two per container tracked
+    appeared = [(e.ts - T0, e.pod_uid) for e in events if isinstance(e, ContainerAppeared)]
+    assert appeared == [(0, uid) for uid in uids] + [(20_000, uids[1])]
+    samples = [(e.ts - T0, e.cid, e.rows[0].data) for e in events if isinstance(e, UsageSample)]
+    assert samples == [(25_000, 6, MiB)]
 
 
 def test_a_missed_restart_that_ends_terminated_bills_each_run(tmp_path: Path) -> None:

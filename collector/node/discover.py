@@ -164,6 +164,11 @@ class Discovery:
         for name in list(self._held):
             self._drop_dir(name)
 
+    def is_unlisted(self, folder: str) -> bool:
+        """Whether this scan could not list `folder` (a container folder's path as in events),
+        or the root."""
+        return folder in self.unlisted or self.shown_root in self.unlisted
+
     @property
     def open_count(self) -> int:
         """Descriptors kept open across scans now."""
@@ -463,11 +468,15 @@ class Discovery:
         self._open_count -= 1 + len(h.files)
 
     def forget(self, f: CacheFile) -> None:
-        """Close `f`'s kept descriptor, if any (the scanner no longer reads it)."""
+        """Close `f`'s kept descriptor, if any (the scanner no longer reads it), and its
+        folder's once no file in it is kept: a stale folder stays for good and would hold
+        both, leaving live containers none. Reading it again opens both anew."""
         dir_name, name = f.names
         h = self._held.get(dir_name)
         if h is not None:
             self._drop_file(h, name)
+            if not h.files:
+                self._drop_dir(dir_name)
 
     def _open_dir(self, name: str) -> int:
         """A container directory's descriptor. Raises OSError with ELOOP for a symlink and

@@ -9,14 +9,16 @@ of a `Succeeded`/`Failed` pod, is *stale*: its run ends at Kubernetes' `finished
 per termination as `stale_container`, with its age since `finishedAt` as `value` (seconds). When
 the container runs again (a restart), its file is tracked again as a new container; once its pod
 is gone from the watch (deleted, and forgotten a while later) it cannot, and its folder stays
-stale while it exists. While it is
-tracked, `runs` states when it runs (restarts the watch missed, a deleted pod).
+stale while it exists, a scan that could not list it (or the root) notwithstanding; this is
+remembered in memory only, so a collector restarted after the pod was forgotten tracks the folder
+again. While it is tracked, `runs` states when it runs (restarts the watch missed, a deleted pod).
 
 Without the pod watch nothing is stale: every folder is billed while it exists.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -38,11 +40,12 @@ class PresenceStage:
         self._view = view
         self._now: Mapping[str, PodView] = {}
         self._reported: set[tuple[str, str, str]] = set()  # (pod uid, container, finishedAt)
-        self._seen: set[tuple[str, str, str]] = set()
-        # (pod uid, container) -> finishedAt of last scan's stale folders: a pod the watch no
+        # (pod uid, container, finishedAt) of this scan's stale files -> their folder
+        self._seen: dict[tuple[str, str, str], str] = {}
+        # (pod uid, container) -> (finishedAt, folder) of the stale folders: a pod the watch no
         # longer has (deleted, then forgotten after `keep_deleted_s`) cannot run again, and its
         # folder, still there, stays stale
-        self._ended: dict[tuple[str, str], str] = {}
+        self._ended: dict[tuple[str, str], tuple[str, str]] = {}
         self._offset_ms = 0
         self.runs = Runs(monotonic)
         self.stale = 0  # folders not billed now (gauge)
@@ -51,14 +54,24 @@ class PresenceStage:
         """Once per scan, before `is_stale` is asked about its files. `offset_ms`: the wall
         clock's offset from event time (Kubernetes' timestamps are wall clock)."""
         self._now = self._view()
-        self._seen = set()
+        self._seen = {}
         self._offset_ms = offset_ms
 
-    def end(self) -> None:
+    def end(self, unlisted: Callable[[str], bool]) -> None:
+        """Once per scan, after its files. `unlisted(folder)`: whether this scan could not list
+        `folder` (or the root), so that what it holds is unknown, not gone."""
+        # An ended container whose folder was not listed is still ended: `_ended` is all that
+        # keeps a forgotten pod's folder stale, and one failed listing must not bill it again.
+        kept = {key: ended for key, ended in self._ended.items() if unlisted(ended[1])}
+        seen = {
+            (uid, container): (at, folder) for (uid, container, at), folder in self._seen.items()
+        }
+        self._ended = kept | seen
         # A termination whose folder went (or whose container runs again) is forgotten.
-        self._reported &= self._seen
-        self.stale = len(self._seen)
-        self._ended = {(uid, container): at for uid, container, at in self._seen}
+        self._reported &= {
+            (uid, container, at) for (uid, container), (at, _) in self._ended.items()
+        }
+        self.stale = len(self._ended)
 
     def process(self, files: Iterable[FileState], now_ms: int, stamp: Stamp) -> list[Event]:
         """After the diff: the running intervals of the tracked containers (`runs`)."""
@@ -78,7 +91,7 @@ class PresenceStage:
         if pv is None:
             ended = self._ended.get((pod_uid, container))
             if ended is not None:
-                self._seen.add((pod_uid, container, ended))
+                self._seen[(pod_uid, container, ended[0])] = ended[1]
             return ended is not None
         run = pv.run(container)
         finished: str | None = None
@@ -95,7 +108,7 @@ class PresenceStage:
             events += self.runs.stop(cid, iso_ms(finished), now_ms, self._offset_ms, stamp,
                                      started, last)  # fmt: skip
         key = (pod_uid, container, finished)
-        self._seen.add(key)
+        self._seen[key] = os.path.dirname(path)
         if key not in self._reported:
             self._reported.add(key)
             at = iso_ms(finished)

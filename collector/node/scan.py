@@ -152,6 +152,7 @@ class Scanner:
                 cid = st.cid if st is not None and st.appeared else -1
                 if presence.is_stale(f.pod_uid, f.container, f.path, cid, self._ts,
                                      self._stamp, events):  # fmt: skip
+                    self.discovery.forget(f)
                     continue  # not tracked: gone (ContainerGone below if it had appeared)
             if st is None:
                 st = FileState(self._next_cid, f.pod_uid, f.container, f.path)
@@ -167,7 +168,7 @@ class Scanner:
             seen[key] = snap
             present[key] = st
         if presence is not None:
-            presence.end()
+            presence.end(self.discovery.is_unlisted)
         if self.discovery.unlisted:
             events += self._keep_unlisted(present, seen)
         self._report_skipped(refused, skipped_now, events)
@@ -219,12 +220,10 @@ class Scanner:
         """Files not found because their folder, or the root, could not be listed this scan
         (EMFILE, EIO, a remount): unusable for this scan, like a file that cannot be opened
         (diff keeps their processes, and the next good scan restates them), not gone."""
-        unlisted = self.discovery.unlisted
-        whole = self.discovery.shown_root in unlisted
         events: list[Event] = []
         for key in sorted(self._files.keys() - present.keys()):
             folder = os.path.dirname(key[0])
-            if whole or folder in unlisted:
+            if self.discovery.is_unlisted(folder):
                 st = self._files[key]
                 snap = empty_snapshot(key[0], 0, [Anomaly("unreadable", f"{folder}: not listed")])
                 events += diff(st, snap, self._stamp, host_proc=self.host_proc,
