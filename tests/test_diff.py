@@ -346,6 +346,38 @@ def test_a_failed_listing_of_a_container_folder_ends_nothing(
     ]
 
 
+def test_a_container_folder_that_cannot_be_stat_ed_ends_nothing(
+    root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error other than ENOENT from the folder's stat (EIO, a remount) took it for gone:
+    ContainerGone, then the same container again under a new cid."""
+    a, b = two_running(writers, root)
+    h = Harness(root)
+    h.scan()
+    discovery = h.scanner.discovery
+    kept = [discovery._held[a.path.parent.name].fd]
+    real = os.fstat
+
+    def failing(fd: int) -> os.stat_result:
+        if fd in kept:
+            kept.clear()  # (once: the number is free for the next descriptor when it closes)
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fstat", failing)
+    assert h.scan() == [
+        ev(LayoutAnomaly, cid=-1, path=str(a.path.parent), anomaly="skipped_path",
+           detail="cannot stat: Input/output error"),
+        anomaly(a, "unreadable", f"{a.path.parent}: not listed", cid=0),
+    ]  # fmt: skip
+    monkeypatch.undo()
+    assert h.scan() == [
+        *appeared(a, cid=0, container="a"),
+        ev(UsageSample, cid=0, rows=[row(1, 4001, 0, data=GiB), row(1, 4001, 1)]),
+    ]
+    assert h.scan() == []
+
+
 def test_a_heartbeat_part_stays_under_a_kafka_request(
     root: Path, writers: list[CacheWriter]
 ) -> None:

@@ -226,8 +226,13 @@ class Discovery:
                     st = os.fstat(h.fd)
                 else:
                     st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
-            except OSError:
+            except FileNotFoundError:
                 continue  # vanished between the listing and the stat
+            except OSError as exc:
+                # (EIO, a remount): what the folder holds is unknown this scan, not gone
+                skipped.append(Skipped(path, f"cannot stat: {exc.strerror}"))
+                self.unlisted.add(path)
+                continue
             if stat.S_ISLNK(st.st_mode):
                 skipped.append(Skipped(path, SYMLINK))
             elif not stat.S_ISDIR(st.st_mode):
