@@ -23,6 +23,7 @@ from ..aggregate.records import CSV_FIELDS, RECORD_MAX, SINCE_VERSION, BillingRe
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
 __all__ = ["LoadError", "checked", "from_csv", "from_jsonl", "from_parquet", "from_records"]
 
@@ -309,11 +310,13 @@ def from_parquet(
                         f"{path}: not a billing record Parquet file: {name} is {got}, not {want}"
                     )
             present = [n for n in columns if physical.get_field_index(n) >= 0]
+            inside = _starts_within(part, from_ms, to_ms)
             for batch in part.iter_batches(batch_size=batch_rows, columns=present):
-                start = batch.column("window_start_ms")
-                keep = pc.and_(pc.greater_equal(start, from_ms), pc.less(start, to_ms))
-                if not _all(keep):
-                    batch = batch.filter(keep)
+                if not inside:
+                    start = batch.column("window_start_ms")
+                    batch = batch.filter(
+                        pc.and_(pc.greater_equal(start, from_ms), pc.less(start, to_ms))
+                    )
                 if not batch.num_rows:
                     continue
                 pending.append((path, _conform(batch, target)))
@@ -329,11 +332,21 @@ def from_parquet(
         yield checked_table()
 
 
-def _all(mask: pa.Array) -> bool:
-    import pyarrow.compute as pc
-
-    result: object = pc.all(mask, skip_nulls=False, min_count=0).as_py()
-    return result is True
+def _starts_within(part: pq.ParquetFile, from_ms: int, to_ms: int) -> bool:
+    """Whether the part's statistics say every window start in it is in [from, to) (the
+    usual part, of one close: no row filter to run)."""
+    meta = part.metadata
+    leaves = [meta.schema.column(j).path for j in range(meta.num_columns)]
+    if "window_start_ms" not in leaves:
+        return False
+    i = leaves.index("window_start_ms")  # (a leaf's index: `labels` is a map of two)
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(i).statistics
+        if stats is None or not stats.has_min_max or stats.null_count:
+            return False
+        if not (from_ms <= stats.min and stats.max < to_ms):
+            return False
+    return True
 
 
 def _conform(batch: pa.RecordBatch, target: pa.Schema) -> pa.RecordBatch:
