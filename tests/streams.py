@@ -534,8 +534,9 @@ def final_report(stderr: str) -> tuple[int, dict[str, int]]:
     assert lines, stderr[-3000:]
     m = _FINAL.search(lines[-1])
     assert m, lines[-1]
-    # the damage summary follows after "; "
-    counters = dict(kv.split("=", 1) for kv in m.group(2).split(";")[0].split())
+    # the damage summary follows after "; "; per-node counts follow theirs in parentheses
+    counted = re.sub(r" \([^)]*\)", "", m.group(2).split(";")[0])
+    counters = dict(kv.split("=", 1) for kv in counted.split())
     return int(m.group(1)), {k: int(v) for k, v in counters.items()}
 
 

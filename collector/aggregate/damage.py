@@ -35,7 +35,6 @@ class CheckpointError(Exception):
 @dataclass
 class _Incarnation:
     highest: int
-    dropped: int = 0  # the largest `dropped` its heartbeats reported
 
 
 @dataclass
@@ -51,12 +50,17 @@ class DamageReport:
     _nodes: set[tuple[int, str]] = field(default_factory=set)  # (source, node) read so far
     # (source, node) -> (inc, seqs) of a gap counted at the head of its newest incarnation
     _heads: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+    # (source, node, inc) -> the largest `dropped` its heartbeats reported; kept when a source
+    # is forgotten (what the collector said it dropped stays said)
+    _dropped: dict[tuple[int, str, int], int] = field(default_factory=dict)
 
     def see(self, node: str, event: Event, source: int = 0) -> None:
         """Every decoded event, in the order of its partition (duplicates included)."""
-        inc = self.see_seq(node, event.inc, event.seq, source)
-        if isinstance(event, Heartbeat) and event.dropped > inc.dropped:
-            inc.dropped = event.dropped
+        self.see_seq(node, event.inc, event.seq, source)
+        if isinstance(event, Heartbeat) and event.dropped:
+            key = (source, node, event.inc)
+            if event.dropped > self._dropped.get(key, 0):
+                self._dropped[key] = event.dropped
 
     def see_seq(self, node: str, inc: int, seq: int, source: int = 0) -> _Incarnation:
         """`see` for an event known by its (inc, seq) alone (not a heartbeat)."""
@@ -91,7 +95,8 @@ class DamageReport:
 
     def forget_source(self, source: int) -> None:
         """`source` is read from a new position (a partition assigned again: what lies between
-        was read by another replica): where this reader comes in again is not a gap."""
+        was read by another replica): where this reader comes in again is not a gap. The gaps
+        and drops counted so far stay counted."""
         for key in [k for k in self._incs if k[0] == source]:
             del self._incs[key]
         self._nodes = {k for k in self._nodes if k[0] != source}
@@ -99,7 +104,7 @@ class DamageReport:
 
     @property
     def dropped_by_collectors(self) -> int:
-        return sum(inc.dropped for inc in self._incs.values())
+        return sum(self._dropped.values())
 
     @property
     def damaged(self) -> bool:

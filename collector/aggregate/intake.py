@@ -9,7 +9,8 @@ out-of-range values, undecodable bytes, a newer schema) goes through `events.dec
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -35,6 +36,18 @@ class InputStats:
     undecodable: int = 0
     unknown_schema: int = 0
     damage: DamageReport = field(default_factory=DamageReport)
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Records read inside were counted before (read again from a checkpoint by the same
+        process): what they count here is taken back; the seqs they show are still seen."""
+        before = (self.undecodable, self.unknown_schema, self.damage.seq_gaps)
+        missing = self.damage.seq_missing
+        try:
+            yield
+        finally:
+            self.undecodable, self.unknown_schema, self.damage.seq_gaps = before
+            self.damage.seq_missing = missing
 
 
 def add_record(

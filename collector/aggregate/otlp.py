@@ -447,6 +447,7 @@ class OtlpExporter:
         self._pushing: threading.Thread | None = None
         self.pushes_skipped = 0  # pushes not started because the one before was still running
         self._stall_logged = False
+        self.last_push_unfinished = False  # shutdown stopped waiting for the last push
 
     @property
     def overflowed(self) -> bool:
@@ -597,6 +598,7 @@ class OtlpExporter:
         finished = self._await_push(deadline) and self.push() and self._await_push(deadline)
         self._closed = True
         if not finished:
+            self.last_push_unfinished = True
             _log.warning(
                 "the last OTLP push to %s did not finish in %.0fs: not waiting for it",
                 self.endpoint,
@@ -607,6 +609,21 @@ class OtlpExporter:
             self._provider.shutdown(timeout_millis=self.timeout_s * 1000)
         except Exception:
             _log.exception("OTLP meter provider shutdown failed")
+
+    def summary(self) -> str:
+        """What was exported and what went wrong, for the aggregator's summary line (after
+        `shutdown`): `otlp: exports=12 failed_exports=2`, the counts that are not 0."""
+        counts = {
+            "failed_exports": self.failed_exports,
+            "pushes_skipped": self.pushes_skipped,
+            "duplicate_records": self.duplicate_records,
+            "rejected_values": self.rejected_values,
+            "overflowed": int(self.overflowed),
+            "last_push_unfinished": int(self.last_push_unfinished),
+        }
+        parts = [f"exports={self.successful_exports + self.failed_exports}"]
+        parts += [f"{k}={v}" for k, v in counts.items() if v]
+        return "otlp: " + " ".join(parts)
 
     def _await_push(self, deadline: float) -> bool:
         """Wait for the running push (if any) until `deadline`; True when none runs."""

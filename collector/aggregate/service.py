@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
@@ -38,10 +38,11 @@ from ..transport.security import KafkaSecurity
 from .billing import Format, billing_message
 from .damage import CheckpointError, DamageReport
 from .health import HealthServer, Liveness
-from .intake import InputStats, add_kafka_records, add_record
+from .intake import InputStats, add_record
 from .records import BillingRecord, record_order
 from .sinks import CsvSink, JsonlSink
-from .windows import Aggregator, WindowSettings
+from .tally import Tally
+from .windows import AggregateStats, Aggregator, WindowSettings
 
 if TYPE_CHECKING:
     from ..transport.topics import TopicSpec
@@ -286,12 +287,15 @@ class AggregateSettings:
 
 
 class DamageWatch:
-    """Logs the damage summary whenever it grows (a live service never exits to say it), and
-    each node-name conflict the aggregators find."""
+    """Logs the damage summary whenever it grows (a live service never exits to say it), each
+    node-name conflict the aggregators find, and each node the first time an event of it is
+    refused as too far ahead."""
 
-    def __init__(self, damage: DamageReport) -> None:
+    def __init__(self, damage: DamageReport, max_skew_ms: int = 0) -> None:
         self.damage = damage
         self._said = damage.counts()
+        self._max_skew_ms = max_skew_ms
+        self._ahead: set[str] = set()  # nodes said to be ahead
 
     def check(self, aggregators: Iterable[Aggregator]) -> None:
         counts = self.damage.counts()
@@ -301,23 +305,58 @@ class DamageWatch:
         for agg in aggregators:
             for conflict in agg.conflicts():
                 log.warning("%s", conflict.line())
+            self._future(agg.future_by_node)
+
+    def _future(self, by_node: Mapping[str, int]) -> None:
+        for node in by_node.keys() - self._ahead:
+            self._ahead.add(node)
+            log.warning(
+                "node %s: event refused, its time more than max_skew (%d ms) after its record "
+                "time (its clock runs ahead?); counted per node in future_events",
+                node,
+                self._max_skew_ms,
+            )
 
 
 def _sorted(records: Iterable[BillingRecord]) -> list[BillingRecord]:
     return sorted(records, key=record_order)
 
 
-def report(settings: AggregateSettings, aggregators: Iterable[Aggregator], written: int) -> str:
+# nodes named beside future_events in the summary line; the others are counted together
+FUTURE_NODES_SHOWN: Final = 5
+
+
+def report(
+    settings: AggregateSettings,
+    stats: Iterable[AggregateStats],
+    future_by_node: Mapping[str, int],
+    written: int,
+    otlp: OtlpExporter | None = None,
+) -> str:
+    """The summary line: what the aggregators counted (see `Tally`: each record and window
+    once), the damage, and what the OTLP exporter counted once it has pushed for the last time."""
     totals: dict[str, int] = {}
-    for agg in aggregators:
-        for name in agg.stats.__struct_fields__:
-            totals[name] = totals.get(name, 0) + int(getattr(agg.stats, name))
+    for st in stats:
+        for name in st.__struct_fields__:
+            totals[name] = totals.get(name, 0) + int(getattr(st, name))
     parts = [f"{written} records"]
-    parts += [f"{k}={v}" for k, v in sorted(totals.items()) if v]
+    for k, v in sorted(totals.items()):
+        if v:
+            by_node = _by_node(future_by_node) if k == "future_events" else ""
+            parts.append(f"{k}={v}{by_node}")
     s = settings.stats
     if s.undecodable or s.unknown_schema:
         parts.append(f"undecodable={s.undecodable} unknown_schema={s.unknown_schema}")
-    return "aggregate: " + " ".join(parts) + "; " + s.damage.line()
+    line = "aggregate: " + " ".join(parts) + "; " + s.damage.line()
+    return line if otlp is None else f"{line}; {otlp.summary()}"
+
+
+def _by_node(counts: Mapping[str, int]) -> str:
+    """` (n2=5 n1=1 and 3 more nodes)`: the nodes with the most, then by name."""
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    shown = " ".join(f"{node}={n}" for node, n in top[:FUTURE_NODES_SHOWN])
+    more = len(top) - FUTURE_NODES_SHOWN
+    return f" ({shown} and {more} more nodes)" if more > 0 else f" ({shown})" if shown else ""
 
 
 # --- local log ----------------------------------------------------------------------------
@@ -365,7 +404,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     position, meta = committed if committed else (0, "")
     resume = parse_checkpoint(meta, f"checkpoint of group {settings.group}")
     damage = settings.stats.damage
-    watch = DamageWatch(damage)
+    watch = DamageWatch(damage, settings.window.max_skew_ms)
     agg = Aggregator(settings.window, emitted_until_ms=resume.emitted_until_ms)
     outputs = Outputs.open(
         settings.csv,
@@ -427,8 +466,11 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             if not batch:
                 await asyncio.sleep(0.5)
     finally:
-        log.info("%s", report(settings, [agg], outputs.written))
-        outputs.close()
+        try:
+            outputs.close()  # (the last OTLP push, which the line counts)
+        finally:
+            line = report(settings, [agg.stats], agg.future_by_node, outputs.written, outputs.otlp)
+            log.info("%s", line)
     return outputs
 
 
@@ -449,7 +491,8 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     positions: dict[TopicPartition, int] = {}
     # The rebalance listener runs in aiokafka's task, which only logs what it raises.
     failed: list[CheckpointError] = []
-    watch = DamageWatch(settings.stats.damage)
+    watch = DamageWatch(settings.stats.damage, settings.window.max_skew_ms)
+    tally = Tally(settings.window, settings.stats)  # what revoked aggregators counted, and more
     security = settings.security.client_kwargs
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka, **security())
     consumer = make_consumer(
@@ -481,7 +524,9 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
             async with publishing:
                 for tp in revoked:
-                    aggs.pop(tp, None)
+                    agg = aggs.pop(tp, None)
+                    if agg is not None:
+                        tally.revoke(agg, tp.partition)
                     positions.pop(tp, None)
 
         async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
@@ -516,7 +561,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 start = om.offset if om is not None and om.offset >= 0 else fresh[tp]
                 consumer.seek(tp, start)
                 positions[tp] = start
-                aggs[tp] = Aggregator(settings.window, emitted_until_ms=meta.emitted_until_ms)
+                aggs[tp] = tally.aggregator(tp.partition, meta.emitted_until_ms)
                 settings.stats.damage.forget_source(tp.partition)
 
     async def publish(outputs: Outputs, records: list[BillingRecord]) -> None:
@@ -595,7 +640,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 agg = aggs.get(tp)
                 if agg is None:
                     continue
-                add_kafka_records(agg, settings.stats, tp.partition, msgs)
+                tally.add(agg, tp.partition, msgs)
                 positions[tp] = msgs[-1].offset + 1
                 clock = max(clock, msgs[-1].timestamp)
             for tp, agg in aggs.items():
@@ -621,8 +666,11 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 break
     finally:
         if outputs is not None:
-            log.info("%s", report(settings, aggs.values(), outputs.written))
-            outputs.close()
+            try:
+                outputs.close()  # (the last OTLP push, which the line counts)
+            finally:
+                counted = tally.stats(aggs.values()), tally.future_by_node(aggs.values())
+                log.info("%s", report(settings, *counted, outputs.written, outputs.otlp))
         await consumer.stop()
         await producer.stop()
         await admin.close()

@@ -12,6 +12,8 @@ offsets and gauges. Each concept lives in its own module of this package; this o
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ...events import (
     CollectorStarted,
@@ -43,7 +45,7 @@ from .output import Output
 from .progress import Progress
 from .settings import MAX_TS, NEVER, RETAIN_GAPS, WindowSettings
 from .state import NODE_CID, SUPERSEDE, Track
-from .stats import AggregateStats
+from .stats import OUTPUT_COUNTS, AggregateStats
 
 __all__ = ["Aggregator"]
 
@@ -53,9 +55,19 @@ log = logging.getLogger(__name__)
 class Aggregator:
     """Integrates events into billing records; see the package docstring for the semantics."""
 
-    def __init__(self, settings: WindowSettings, *, emitted_until_ms: int = 0) -> None:
+    def __init__(
+        self,
+        settings: WindowSettings,
+        *,
+        emitted_until_ms: int = 0,
+        closed_before_ms: int | None = None,
+    ) -> None:
+        """closed_before_ms: the end of the windows an earlier aggregator of this process closed
+        on this input (a partition assigned back after a rebalance): closing them again counts
+        nothing (see `uncounted`), as the records read again count nothing."""
         self.settings = settings
         self.stats = AggregateStats()
+        self._closed_before = closed_before_ms
         self._w = settings.window_ms
         self._lateness = settings.lateness_ms
         self._gap = settings.max_gap_ms
@@ -215,6 +227,26 @@ class Aggregator:
         end = self._closable()
         return ts if end is None or ts >= end else end
 
+    @property
+    def closed_until_ms(self) -> int | None:
+        """End of the windows this aggregator closed (None before its first close)."""
+        return self._closed
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """What is added or closed inside counts nothing: input this process counted before
+        (records read again, windows closed again). The records handed out are still counted
+        (`OUTPUT_COUNTS`: those of windows past the emitted end, never handed out twice)."""
+        before = [(name, getattr(self.stats, name)) for name in self.stats.__struct_fields__]
+        future = dict(self._progress.future_by_node)
+        try:
+            yield
+        finally:
+            for name, value in before:
+                if name not in OUTPUT_COUNTS:
+                    setattr(self.stats, name, value)
+            self._progress.future_by_node = future
+
     def idle(self, now_ms: int) -> None:
         """Record time `now_ms` has come from other traffic: sources silent for longer than
         `idle_ms` let their nodes' windows close at the next `advance()` (see `progress`)."""
@@ -283,6 +315,18 @@ class Aggregator:
         return self._close(target)
 
     def _close(self, target: int) -> list[BillingRecord]:
+        again = self._closed_before
+        closed = self._closed
+        if again is None or (closed is not None and closed >= again):
+            return self._close_to(target)
+        # Windows an earlier aggregator of this process closed and counted: closed again to
+        # rebuild the state, uncounted. A close across that end is split there (records do
+        # not depend on where closes stop: nothing is added in between).
+        with self.uncounted():
+            records = self._close_to(min(target, again))
+        return records if target <= again else records + self._close_to(target)
+
+    def _close_to(self, target: int) -> list[BillingRecord]:
         ig = self._ig
         for tr in self._tracks.values():
             self._maybe_supersede(tr, target)

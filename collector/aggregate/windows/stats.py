@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["AggregateStats"]
+__all__ = ["OUTPUT_COUNTS", "AggregateStats"]
 
 
 class AggregateStats(msgspec.Struct):
@@ -27,3 +27,10 @@ class AggregateStats(msgspec.Struct):
     refused_records: int = 0  # a number beyond records.RECORD_MAX: never built
     presence_clamped: int = 0  # ends of a run moved later to what could still change (runs)
     presence_clamped_ms: int = 0  # ... and the container-ms they bill beyond Kubernetes' end
+
+
+# What `Output` counts of the records it hands out: windows past the emitted end only, so a
+# window closed again (a partition read again from its checkpoint) never adds to them.
+OUTPUT_COUNTS = frozenset(
+    {"records", "unnamed_records", "overcommitted", "allocation_fallbacks", "refused_records"}
+)

@@ -1,0 +1,75 @@
+"""What one `aggregate` process counted, across rebalances: each record it read and each window
+it closed, once.
+
+A rebalance takes a partition's `Aggregator` away; one assigned back later starts a new one from
+the group's checkpoint (the earliest offset an open window still needs), so it reads again
+records this process had read, and closes again windows it had closed, to rebuild its windows.
+`Tally` keeps, per partition and across assignments, the offset after the last record this
+process read and the end of the windows it closed: what is read or closed again below them
+counts nothing (`Aggregator.uncounted`, `InputStats.uncounted`), and what a revoked aggregator
+counted stays in the totals. Another process (a restart, another replica) that reads the same
+records counts them in its own summary line.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .intake import InputStats, add_kafka_records
+from .windows import AggregateStats, Aggregator, WindowSettings
+
+__all__ = ["Tally"]
+
+
+class Tally:
+    def __init__(self, window: WindowSettings, stats: InputStats) -> None:
+        self.window = window
+        self.input = stats
+        self.gone = AggregateStats()  # the counts of aggregators whose partition was revoked
+        self.gone_future: dict[str, int] = {}
+        self.read_to: dict[int, int] = {}  # per partition: the offset after the last one read
+        self.closed_to: dict[int, int] = {}  # per partition: the end of the windows closed
+
+    def aggregator(self, partition: int, emitted_until_ms: int) -> Aggregator:
+        """A partition's aggregator at its assignment."""
+        return Aggregator(
+            self.window,
+            emitted_until_ms=emitted_until_ms,
+            closed_before_ms=self.closed_to.get(partition),
+        )
+
+    def add(self, agg: Aggregator, partition: int, msgs: Sequence[Any]) -> None:
+        """A partition's fetched records, in order: those this process read before are handed
+        to `agg` uncounted."""
+        if not msgs:
+            return
+        again = self.read_to.get(partition, 0)
+        cut = bisect_left(msgs, again, key=lambda m: m.offset) if msgs[0].offset < again else 0
+        if cut:
+            with agg.uncounted(), self.input.uncounted():
+                add_kafka_records(agg, self.input, partition, msgs[:cut])
+        if cut < len(msgs):
+            add_kafka_records(agg, self.input, partition, msgs[cut:] if cut else msgs)
+            self.read_to[partition] = msgs[-1].offset + 1
+
+    def revoke(self, agg: Aggregator, partition: int) -> None:
+        """Keep what `agg` counted, and how far it closed."""
+        for name in AggregateStats.__struct_fields__:
+            setattr(self.gone, name, getattr(self.gone, name) + getattr(agg.stats, name))
+        for node, n in agg.future_by_node.items():
+            self.gone_future[node] = self.gone_future.get(node, 0) + n
+        closed = agg.closed_until_ms
+        if closed is not None:
+            self.closed_to[partition] = max(closed, self.closed_to.get(partition, closed))
+
+    def stats(self, live: Iterable[Aggregator]) -> list[AggregateStats]:
+        return [self.gone, *(agg.stats for agg in live)]
+
+    def future_by_node(self, live: Iterable[Aggregator]) -> dict[str, int]:
+        total = dict(self.gone_future)
+        for agg in live:
+            for node, n in agg.future_by_node.items():
+                total[node] = total.get(node, 0) + n
+        return total
