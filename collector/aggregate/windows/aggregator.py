@@ -32,6 +32,7 @@ from ...events import (
 )
 from ..records import BillingRecord, Gauge
 from . import runs
+from .apply import retire_devices
 from .checkpoint import needed_offsets
 from .close import run
 from .gauges import gauges
@@ -362,6 +363,8 @@ class Aggregator:
     def _prune(self, closed: int) -> None:
         gap = self._gap
         retain = self._ig.retain
+        # What is older than this is forgotten: incarnations, a node's GPUs gone since.
+        horizon = closed - gap - self._lateness - self._w
         live_incs: set[tuple[str, int]] = set()
         drop: list[tuple[str, int, int]] = []
         for key, tr in self._tracks.items():
@@ -381,11 +384,14 @@ class Aggregator:
                 live_incs.add((tr.node, tr.inc))
             else:
                 drop.append(key)
+            if tr.uuids is not None and tr.expired:
+                retire_devices(tr, horizon)
         for key in drop:
             del self._tracks[key]
         # An older incarnation is forgotten (with its de-duplication state) once it has no
-        # containers and its last event is well behind the closed end.
-        self._incs.prune(live_incs, closed - gap - self._lateness - self._w)
+        # containers and its last event is well behind the closed end; a node's last one is
+        # retired on the same terms.
+        self._guard.forget(self._incs.prune(live_incs, horizon))
         self._inv.prune(closed)
 
     # --- checkpoints and gauges ----------------------------------------------------------

@@ -52,6 +52,7 @@ __all__ = [
     "gone",
     "learn",
     "node_rows",
+    "retire_devices",
     "apply_rows",
     "limits_ok",
     "set_limits",
@@ -220,11 +221,37 @@ def node_rows(ig: Integrator, tr: Track, sample: NodeDeviceSample, t: int) -> li
     for r in sample.rows:
         i = uuids.get(r.uuid)
         if i is None:
-            i = uuids[r.uuid] = len(uuids)
+            # a retired UUID's index is gone from the middle: a new one goes past the largest
+            i = uuids[r.uuid] = max(devs) + 1 if devs else 0
             devs[i] = Device()
         devs[i].uuid = r.uuid
         out.append(UsageRow(0, 0, i, r.unaccounted_bytes, 0, 0, 0, r.memory_used, r.utilization))
     return out
+
+
+def retire_devices(tr: Track, horizon: int) -> None:
+    """Forget the node's devices whose key expired with a sample before `horizon` (a MIG
+    reconfiguration, a GPU taken out) and that hold nothing of an open window, unless an event
+    read but not applied yet names them: a UUID that comes back after that starts afresh."""
+    uuids = tr.uuids
+    assert uuids is not None
+    old = [
+        (u, i)
+        for u, i in uuids.items()
+        if tr.expired.get((0, 0, i), horizon) < horizon and _holds_nothing(tr.devs[i])
+    ]
+    if not old:
+        return
+    named = {r.uuid for e in tr.pending if isinstance(e[4], NodeDeviceSample) for r in e[4].rows}
+    for u, i in old:
+        if u not in named:
+            del uuids[u]
+            del tr.devs[i]
+            del tr.expired[(0, 0, i)]
+
+
+def _holds_nothing(d: Device) -> bool:
+    return not (d.nkeys or d.has_window() or d.cov or d.ivs or d.peak)
 
 
 def state(ig: Integrator, tr: Track, st: ContainerState, t: int, seq: int, off: int) -> None:

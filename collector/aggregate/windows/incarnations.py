@@ -13,6 +13,13 @@ node remembers the last `FORGOTTEN_PER_NODE` incarnations it forgot: one that co
 oldest of the node, never the newest (a redelivered event of a collector that overlapped a newer
 one would otherwise take the node over from the collector still running).
 
+A node's newest incarnation is **retired** the same way once it is the node's only one left
+(a node that left the cluster, a collector silent that long): no containers, last event past
+that horizon. Its de-duplication state goes (a redelivery is then not recognised, as above);
+only its first and last event times stay, per node, and come back as the node's newest
+incarnation with the node's next event, so which incarnation is newer is decided exactly as
+if it had been kept.
+
 Supersession
 ------------
 A collector restart starts a new `inc` on the same node, and the old one never says goodbye. The
@@ -63,12 +70,14 @@ class Incarnation:
 class Incarnations:
     """Every incarnation the aggregator knows, by (node, inc) and grouped by node."""
 
-    __slots__ = ("_by_node", "_forgotten", "_incs", "several")
+    __slots__ = ("_by_node", "_forgotten", "_incs", "_retired", "several")
 
     def __init__(self) -> None:
         self._incs: dict[tuple[str, int], Incarnation] = {}
         self._by_node: dict[str, dict[int, Incarnation]] = {}
         self._forgotten: dict[str, deque[int]] = {}  # per node, the incarnations last forgotten
+        # per node whose incarnations are all forgotten: (inc, first_ts, last_ts) of its newest
+        self._retired: dict[str, tuple[int, int, int]] = {}
         # Nodes with more than one incarnation: only their events can be cut or overlap, so the
         # per-event checks ask this set first.
         self.several: set[str] = set()
@@ -77,6 +86,9 @@ class Incarnations:
         """Record event (node, inc, seq) at `ts`; False when it is a duplicate (nothing
         recorded then)."""
         incarnation = self._incs.get((node, inc))
+        if incarnation is None and node in self._retired:
+            self._restore(node)
+            incarnation = self._incs.get((node, inc))
         if incarnation is None:
             incarnation = self._incs[(node, inc)] = Incarnation()
             if inc in self._forgotten.get(node, ()):
@@ -119,19 +131,47 @@ class Incarnations:
                 cut, newer = (other.first_ts, other_inc), other_inc
         return cut[0], newer
 
-    def prune(self, live: set[tuple[str, int]], horizon: int) -> None:
+    def prune(self, live: set[tuple[str, int]], horizon: int) -> list[tuple[str, int]]:
         """Forget the older incarnations with no containers (`live` has those that have one)
-        whose last event is before `horizon`."""
+        whose last event is before `horizon`, and retire a node's last one on the same terms.
+        Returns the (node, inc) forgotten or retired."""
+        gone: list[tuple[str, int]] = []
         for node, incs in self._by_node.items():
             if len(incs) > 1:
                 newest = max(incs, key=lambda i: (incs[i].first_ts, i))
                 for inc in [i for i in incs if i != newest and (node, i) not in live]:
                     if incs[inc].last_ts < horizon:
-                        del incs[inc]
-                        del self._incs[(node, inc)]
-                        forgotten = self._forgotten.setdefault(
-                            node, deque(maxlen=FORGOTTEN_PER_NODE)
-                        )
-                        forgotten.append(inc)
+                        self._forget(node, inc)
+                        gone.append((node, inc))
                 if len(incs) < 2:
                     self.several.discard(node)
+            if len(incs) == 1:
+                inc = next(iter(incs))
+                if (node, inc) not in live and incs[inc].last_ts < horizon:
+                    self._retire(node, inc)
+                    gone.append((node, inc))
+        for node in [n for n, incs in self._by_node.items() if not incs]:
+            del self._by_node[node]
+        return gone
+
+    def _retire(self, node: str, inc: int) -> None:
+        """Forget the node's last incarnation but for its place among the node's (`_restore`)."""
+        last = self._by_node[node].pop(inc)
+        del self._incs[(node, inc)]
+        self._retired[node] = (inc, last.first_ts, last.last_ts)
+
+    def _forget(self, node: str, inc: int) -> None:
+        del self._by_node[node][inc]
+        del self._incs[(node, inc)]
+        forgotten = self._forgotten.setdefault(node, deque(maxlen=FORGOTTEN_PER_NODE))
+        forgotten.append(inc)
+
+    def _restore(self, node: str) -> None:
+        """The node sends again: its retired newest incarnation is back in the order of its
+        incarnations (with no de-duplication state)."""
+        inc, first_ts, last_ts = self._retired.pop(node)
+        incarnation = Incarnation()
+        incarnation.first_ts = first_ts
+        incarnation.last_ts = last_ts
+        self._incs[(node, inc)] = incarnation
+        self._by_node[node] = {inc: incarnation}

@@ -94,6 +94,13 @@ class NodeGuard:
             )
         )
 
+    def forget(self, gone: list[tuple[str, int]]) -> None:
+        """These incarnations are forgotten (`Incarnations.prune`): their announcements and
+        counted overlap go with them. The pairs already flagged stay flagged."""
+        for key in gone:
+            self._who.pop(key, None)
+            self._counted.pop(key, None)
+
     def take(self) -> list[NodeConflict]:
         """Conflicts found since the last call (for the service's log)."""
         new, self._new = self._new, []
