@@ -914,8 +914,14 @@ NOT_PARQUET = (
             ),
             "window_start_ms is string, not int64",
         ),
+        (
+            lambda part: pq.write_table(
+                pq.read_table(part).drop_columns(["window_start_ms"]), part
+            ),
+            "no window_start_ms",
+        ),
     ],
-    ids=["zero-length", "not-parquet", "truncated", "wrong-type"],
+    ids=["zero-length", "not-parquet", "truncated", "wrong-type", "no-window-start"],
 )
 def test_a_damaged_parquet_part_is_one_line_and_exit_1(
     pipeline: Path, tmp_path: Path, damage: Any, message: str

@@ -166,6 +166,29 @@ def test_a_collectors_reported_drops_stay_after_its_partition_is_forgotten() -> 
     assert damage.line().endswith("seq_gaps=1 seq_missing=1 (collectors reported 4 dropped)")
 
 
+def test_a_head_gap_taken_back_by_a_read_again_stays_taken_back() -> None:
+    """Two collectors of a node send side by side; the partition is read again from a commit
+    between them. The head gap the read again counts is taken back, and so is the correction
+    that later records made of it: seq_gaps=-1 before."""
+
+    def hb(inc: int, seq: int, ts: int) -> Record:
+        m = msg("n1", Heartbeat(1, inc, seq, ts, 10_000, 0, 1, []))
+        return Record(0, m.key, m.value, m.ts)
+
+    sent = [(1, 0), (1, 1), (2, 0), (1, 2), (2, 1), (2, 2), (1, 3), (2, 3)]
+    records = [
+        hb(inc, seq, T0_MS + 500 * i)._replace(offset=i) for i, (inc, seq) in enumerate(sent)
+    ]
+    tally = Tally(WINDOW, InputStats())
+    agg = tally.aggregator(0, 0)
+    tally.add(agg, 0, records[:6])
+    tally.revoke(agg, 0)
+    tally.input.damage.forget_source(0)
+    tally.add(tally.aggregator(0, 0), 0, records[3:])  # from the commit at offset 3
+    damage = tally.input.damage
+    assert (damage.seq_gaps, damage.seq_missing, damage.line()) == (0, 0, "damage: none")
+
+
 def _settings() -> AggregateSettings:
     return AggregateSettings(
         window=WINDOW, kafka=None, topic="t", billing_topic="b", group="g", log_dir=Path(".")

@@ -41,13 +41,16 @@ class InputStats:
     def uncounted(self) -> Iterator[None]:
         """Records read inside were counted before (read again from a checkpoint by the same
         process): what they count here is taken back; the seqs they show are still seen."""
-        before = (self.undecodable, self.unknown_schema, self.damage.seq_gaps)
-        missing = self.damage.seq_missing
+        damage = self.damage
+        before = (self.undecodable, self.unknown_schema, damage.seq_gaps, damage.seq_missing)
+        # The head gaps stand for counted gaps: one counted inside is taken back with it, and
+        # one taken back inside (its incarnation seen alongside) is counted again.
+        heads = dict(damage._heads)
         try:
             yield
         finally:
-            self.undecodable, self.unknown_schema, self.damage.seq_gaps = before
-            self.damage.seq_missing = missing
+            self.undecodable, self.unknown_schema, damage.seq_gaps, damage.seq_missing = before
+            damage._heads = heads
 
 
 def add_record(

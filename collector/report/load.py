@@ -309,6 +309,8 @@ def from_parquet(
                     raise LoadError(
                         f"{path}: not a billing record Parquet file: {name} is {got}, not {want}"
                     )
+            if physical.get_field_index("window_start_ms") < 0:
+                raise LoadError(f"{path}: not a billing record Parquet file: no window_start_ms")
             present = [n for n in columns if physical.get_field_index(n) >= 0]
             inside = _starts_within(part, from_ms, to_ms)
             for batch in part.iter_batches(batch_size=batch_rows, columns=present):
