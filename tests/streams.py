@@ -35,6 +35,7 @@ import msgspec
 
 from collector.aggregate.billing import decode_billing
 from collector.aggregate.records import CSV_FIELDS, BillingRecord, csv_row, record_order
+from collector.aggregate.service import AggregateSettings
 from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.events import (
     SCHEMA_VERSION,
@@ -437,6 +438,15 @@ async def produce(bootstrap: str, topic: str, msgs: Iterable[Msg]) -> dict[str, 
     async with Producer(bootstrap, topic) as p:
         await p.send(msgs)
         return p.partition_of
+
+
+def replica(bootstrap: str, topic: str, log_dir: Path, instance: str) -> AggregateSettings:
+    """Replica `instance` of the group `<topic>.g` reading `topic`, its CSV in `log_dir`."""
+    return AggregateSettings(
+        window=WINDOW, kafka=bootstrap, topic=topic, group=f"{topic}.g",
+        billing_topic=f"{topic}.billing", log_dir=log_dir, instance=instance,
+        csv=str(log_dir / f"{instance}.csv"),
+    )  # fmt: skip
 
 
 async def read_billing(bootstrap: str, topic: str, timeout_s: float = 60) -> list[BillingRecord]:

@@ -11,10 +11,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
-from streams import HAMI_USAGE, env
+import pytest
+from streams import HAMI_USAGE, create_topic, env, replica
 
 from collector.aggregate.health import HealthServer, Liveness
+from collector.aggregate.service import run_kafka
 
 
 def free_port() -> int:
@@ -89,3 +92,44 @@ async def test_stalled_loop_answers_503() -> None:
         assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 200
     finally:
         await server.stop()
+
+
+@pytest.mark.kafka
+def test_replicas_on_standby_stay_alive_past_the_grace(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """Three replicas on a one-partition topic (a StatefulSet scaled past the partitions): one
+    owns the partition, "b" owned it until "a" joined (the assignors give it to the first
+    member id), "c" never had one. Each standby waits in its group for a partition and is
+    alive meanwhile: /healthz (3 s instead of a minute, grace included) stays 200."""
+
+    async def started(instance: str, stop: asyncio.Event) -> tuple[Any, HealthServer, int]:
+        s = replica(kafka_bootstrap, kafka_topic, tmp_path, instance)
+        server = HealthServer("127.0.0.1", 0, s.liveness, stale_after_s=3, start_grace_s=3)
+        port = await server.start()
+        return asyncio.create_task(run_kafka(s, stop)), server, port
+
+    async def scenario() -> list[tuple[str, int, str]]:
+        await create_topic(kafka_bootstrap, kafka_topic, 1)
+        await create_topic(kafka_bootstrap, f"{kafka_topic}.billing", 1)
+        stop = asyncio.Event()
+        replicas = {}
+        for instance in ("b", "a", "c"):
+            replicas[instance] = await started(instance, stop)
+            await asyncio.sleep(8)  # joined, past its grace
+        answers = []
+        try:
+            for _ in range(10):
+                for instance, (_, _, port) in replicas.items():
+                    status, body = await asyncio.to_thread(get, port, "/healthz")
+                    answers.append((instance, status, body))
+                await asyncio.sleep(1)
+        finally:
+            stop.set()
+            await asyncio.gather(*(task for task, _, _ in replicas.values()))
+            for _, server, _ in replicas.values():
+                await server.stop()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert [(i, s) for i, s, _ in answers] == [(i, 200) for i in "bac"] * 10, answers

@@ -22,15 +22,16 @@ from streams import (
     read_billing,
     recent_t0,
     reference,
+    replica,
     sort_key,
 )
 from test_file_replicas import wait_group_empty
 
+from collector.aggregate import service
 from collector.aggregate.damage import CheckpointError
 from collector.aggregate.service import AggregateSettings, run_kafka
 
 pytestmark = pytest.mark.kafka
-
 
 
 @pytest.mark.parametrize("hold_s", [10.0, 15.0])
@@ -126,3 +127,62 @@ def test_a_checkpoint_that_stays_unstable_stops_the_replica_with_one_line(
 
     asyncio.run(scenario())
 
+
+def test_a_replica_taking_over_stays_alive_while_its_checkpoint_is_unstable(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica "b" goes away long after start-up and "a" is assigned its partition while a
+    transaction holds the group's offsets unstable: a's rebalance listener waits for them, in
+    aiokafka's task, which hands the assignment to `getmany` first. a's input loop goes on
+    turning through the wait: /healthz does not restart the replica taking over."""
+    group = f"{kafka_topic}.g"
+    tps = [TopicPartition(kafka_topic, p) for p in (0, 1)]
+    waits: list[tuple[float, float | None]] = []
+    real_committed = service.committed_offsets
+
+    async def committed(admin: Any, group: str, asked: Any, wait_s: float) -> Any:
+        if asked is None:  # start-up, before joining
+            return await real_committed(admin, group, asked, wait_s)
+        waits.append((time.monotonic(), None))
+        found = await real_committed(admin, group, asked, wait_s)
+        waits[-1] = (waits[-1][0], time.monotonic())
+        return found
+
+    def settings(instance: str) -> AggregateSettings:
+        return replica(kafka_bootstrap, kafka_topic, tmp_path, instance)
+
+    async def scenario() -> tuple[float, float]:
+        await create_topic(kafka_bootstrap, kafka_topic, 2)
+        await create_topic(kafka_bootstrap, f"{kafka_topic}.billing", 1)
+        monkeypatch.setattr(service, "committed_offsets", committed)
+        a_settings, stop_a, stop_b = settings("a"), asyncio.Event(), asyncio.Event()
+        a = asyncio.create_task(run_kafka(a_settings, stop_a))
+        await asyncio.sleep(8)
+        b = asyncio.create_task(run_kafka(settings("b"), stop_b))
+        await asyncio.sleep(10)  # b joined: one partition each
+        stop_b.set()
+        await b
+        settled = len(waits)
+        txp = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=group + "-x")
+        async with txp:
+            await txp.begin_transaction()
+            await txp.send_offsets_to_transaction(dict.fromkeys(tps, 0), group)
+            while len(waits) == settled:  # b's session expires, a is given both partitions
+                await asyncio.sleep(0.1)
+            oldest = 0.0
+            held_until = time.monotonic() + 12
+            while time.monotonic() < held_until:
+                oldest = max(oldest, time.monotonic() - a_settings.liveness.last_beat)
+                await asyncio.sleep(0.2)
+            await txp.abort_transaction()
+        while waits[-1][1] is None:
+            await asyncio.sleep(0.1)
+        stop_a.set()
+        await a
+        started, ended = waits[-1]
+        assert ended is not None
+        return ended - started, oldest
+
+    waited, oldest = asyncio.run(scenario())
+    assert waited >= 12
+    assert oldest < 2, f"a's input loop stood still {oldest:.1f} s during the takeover"

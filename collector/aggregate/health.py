@@ -1,9 +1,11 @@
 """The aggregator's `/healthz` (its StatefulSet's probes): 200 while its input loop turns.
 
 Both input loops (local log, Kafka) come round at least every second or so, idle or not, and call
-`Liveness.beat`. A loop stuck longer than `stale_after_s` (a hung broker call, a wedged
-transaction) answers 503 and the kubelet restarts the pod; start-up (waiting for the broker,
-at most `start_timeout_s`), before the loop's first turn, counts as alive for `start_grace_s`.
+`Liveness.beat`; so does the Kafka replica's wait for its first assignment (a replica on standby,
+with no partition, may wait there for good). A loop stuck longer than `stale_after_s` (a hung
+broker call, a wedged transaction) answers 503 and the kubelet restarts the pod; start-up
+(waiting for the broker, at most `start_timeout_s`, then for the group's checkpoint), before the
+first turn, counts as alive for `start_grace_s`.
 """
 
 from __future__ import annotations
