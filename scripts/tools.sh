@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The operators' tools the tests run for real, each installed once and cached:
-#   scripts/tools.sh promtool|otelcol|helm|compose-check|all
+#   scripts/tools.sh promtool|prometheus|otelcol|helm|compose-check|all
 # prints the path of each named tool on stdout (building it first when it is missing).
 #   promtool       from Debian's `prometheus` package (apt-get download, unpacked)
+#   prometheus     the Prometheus server from the same package (scrapes in the monitor test)
 #   otelcol        an OpenTelemetry Collector built with the OpenTelemetry Collector Builder from
 #                  scripts/tools/otelcol-builder.yaml
 #   helm           helm built from its Go module
@@ -36,7 +37,7 @@ build() {
         exec 9>"$TOOLS/.$name.lock"
         flock 9
         if [[ ! -x "$dir/$name" ]]; then
-            [[ $name == promtool ]] || need_go "$name"
+            [[ $name == promtool || $name == prometheus ]] || need_go "$name"
             say "building $name ($key) into $dir: a few minutes, once"
             rm -rf "$dir.tmp"
             mkdir -p "$dir.tmp"
@@ -78,15 +79,19 @@ build_compose_check() {
     (cd "$ROOT/scripts/tools/compose-check" && gobuild go build -o "$1/compose-check" .)
 }
 
-# promtool from Debian's `prometheus` package, unpacked without installing it: the package would
+# A binary of Debian's `prometheus` package, unpacked without installing it: the package would
 # set up (and, without systemd, start) a Prometheus server.
-build_promtool() {
+unpack_prometheus_deb() {
     (cd "$1" && apt-get download prometheus >&2 \
         || { apt-get update -qq >&2 && apt-get download prometheus >&2; })
     dpkg-deb -x "$1"/prometheus_*.deb "$1/deb"
-    mv "$1/deb/usr/bin/promtool" "$1/promtool"
+    mv "$1/deb/usr/bin/$2" "$1/$2"
     rm -rf "$1/deb" "$1"/prometheus_*.deb
 }
+
+build_promtool() { unpack_prometheus_deb "$1" promtool; }
+
+build_prometheus() { unpack_prometheus_deb "$1" prometheus; }
 
 tool() {
     if ! command -v promtool >/dev/null; then
@@ -109,16 +114,17 @@ tool() {
 tool() {
     case "$1" in
         promtool) build promtool "$PROMETHEUS_DEB" build_promtool ;;
+        prometheus) build prometheus "$PROMETHEUS_DEB" build_prometheus ;;
         otelcol) build otelcol "$OTELCOL_VERSION-$(hash_of "$ROOT/scripts/tools/otelcol-builder.yaml")" build_otelcol ;;
         helm) build helm "$HELM_VERSION-k8s1.$HELM_K8S_MINOR" build_helm ;;
         compose-check)
             build compose-check "$(hash_of "$ROOT"/scripts/tools/compose-check/{go.mod,go.sum,main.go})" \
                 build_compose_check
             ;;
-        all) for t in promtool otelcol helm compose-check; do tool "$t"; done ;;
-        *) say "unknown tool $1 (promtool, otelcol, helm, compose-check, all)"; exit 2 ;;
+        all) for t in promtool prometheus otelcol helm compose-check; do tool "$t"; done ;;
+        *) say "unknown tool $1 (promtool, prometheus, otelcol, helm, compose-check, all)"; exit 2 ;;
     esac
 }
 
-[[ $# -gt 0 ]] || { say "usage: tools.sh promtool|otelcol|helm|compose-check|all ..."; exit 2; }
+[[ $# -gt 0 ]] || { say "usage: tools.sh promtool|prometheus|otelcol|helm|compose-check|all ..."; exit 2; }
 for name in "$@"; do tool "$name"; done

@@ -15,6 +15,7 @@ import yaml
 from k8s_schema import VERSIONS, validate
 from operator_tools import tool
 from test_deploy import RENDERED
+from test_deploy_monitors import monitor
 
 CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "hami-usage"
 NAMESPACE = "gpu-metering"
@@ -226,6 +227,12 @@ def test_values_reach_the_objects() -> None:
         assert m["metadata"]["labels"]["release"] == "kube-prometheus-stack"
         assert m["metadata"]["namespace"] == NAMESPACE
         assert {e["interval"] for e in m["spec"]["endpoints"]} == {"15s"}
+    # The relabelings that keep the series' own namespace/pod/container (the real scrape is
+    # tests/test_deploy_monitors.py's) reach the chart's monitor unchanged.
+    (endpoint,) = find(docs, "ServiceMonitor", "hami-usage-collector")["spec"]["endpoints"]
+    (manifest,) = monitor("hami-usage-collector")["spec"]["endpoints"]
+    assert endpoint == {**manifest, "interval": "15s"}
+    assert endpoint["metricRelabelings"] == [{"action": "labeldrop", "regex": "exported_node"}]
 
 
 def test_without_the_example_collector() -> None:
