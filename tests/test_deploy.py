@@ -276,6 +276,15 @@ def test_collector_daemonset() -> None:
     # Node name from the downward API.
     env = {e["name"]: e for e in collector["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    # NVML: the NVIDIA container runtime mounts libnvidia-ml.so (absent from the image) and the
+    # GPUs into a container that asks with these; the pod requests no GPU.
+    assert env["NVIDIA_VISIBLE_DEVICES"] == {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == {
+        "name": "NVIDIA_DRIVER_CAPABILITIES",
+        "value": "utility",
+    }
+    assert "nvidia.com/gpu" not in str(collector["resources"])
+    assert "runtimeClassName" not in spec  # the node's default runtime, unless patched
 
     # hostPID exactly when the collector looks at the host's /proc.
     args = collector["args"]
@@ -857,9 +866,7 @@ def test_grafana_dashboard_queries_exported_metrics() -> None:
 def test_grafana_shows_reserved_idle_against_used_per_workload() -> None:
     workload = {re.sub(r"\W", "_", a) for a in otlp.ATTR_WORKLOAD.values()}
     panels = [
-        p
-        for p in dashboard()["panels"]
-        if any("reserved_idle" in t["expr"] for t in p["targets"])
+        p for p in dashboard()["panels"] if any("reserved_idle" in t["expr"] for t in p["targets"])
     ]
     assert {p["type"] for p in panels} == {"table", "timeseries"}  # the range, and over time
     for panel in panels:

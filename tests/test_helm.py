@@ -88,6 +88,7 @@ ALL_VALUES = (
     "collector.resources.limits.memory=512Mi",
     "collector.metrics.hami=true",
     "collector.metrics.hamiLegacy=true",
+    "collector.runtimeClassName=nvidia",
     "aggregator.replicas=3",
     "aggregator.priorityClassName=billing",
     "aggregator.nodeSelector.pool=system",
@@ -183,6 +184,9 @@ def test_values_reach_the_objects() -> None:
     collector = container(docs, "DaemonSet", "hami-usage-collector", "collector")
     assert collector["resources"]["limits"] == {"cpu": 1, "memory": "512Mi"}
     assert collector["args"][-2:] == ["--metrics-hami", "--metrics-hami-legacy"]
+    assert ds["runtimeClassName"] == "nvidia"
+    nvidia = {e["name"]: e["value"] for e in collector["env"] if e["name"].startswith("NVIDIA_")}
+    assert nvidia == {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility"}
 
     sts = find(docs, "StatefulSet", "hami-usage-aggregator")
     assert sts["spec"]["replicas"] == 3
