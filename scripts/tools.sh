@@ -94,24 +94,6 @@ build_promtool() { unpack_prometheus_deb "$1" promtool; }
 build_prometheus() { unpack_prometheus_deb "$1" prometheus; }
 
 tool() {
-    if ! command -v promtool >/dev/null; then
-        exec 9>"/tmp/.hami-usage-apt.lock"
-        flock 9
-        if ! command -v promtool >/dev/null; then
-            say "installing Debian's prometheus package (promtool)"
-            local sudo=""
-            [[ $(id -u) == 0 ]] || sudo=sudo
-            $sudo apt-get update -qq >&2
-            # The package would start a Prometheus server under systemd: only its promtool is used.
-            DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-                prometheus >&2
-        fi
-        exec 9>&-
-    fi
-    command -v promtool
-}
-
-tool() {
     case "$1" in
         promtool) build promtool "$PROMETHEUS_DEB" build_promtool ;;
         prometheus) build prometheus "$PROMETHEUS_DEB" build_prometheus ;;
