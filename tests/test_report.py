@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import math
 import re
 import resource
 import shutil
@@ -50,7 +51,7 @@ from collector.report.command import ReportArgs, make_report
 from collector.report.html import render
 from collector.report.load import LoadError, iso_ms
 from collector.report.prices import PriceError, Prices
-from collector.report.summary import HOUR_MS, Summary
+from collector.report.summary import HOUR_MS, TIMES, Summary
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice
 from collector.transport import consumer
 
@@ -484,7 +485,7 @@ def test_cost_total_is_observed_hours_times_price_to_the_cent(
     records, _ = run(events, policy)  # type: ignore[arg-type]
     prices = Prices.parse(f'default = {default}\n[models]\n"NVIDIA H100*" = {h100}')
     summary = Summary(["namespace", "pod"], HOUR_MS, [])
-    summary.add(to_table(records))
+    summary.add(to_table(records, TIMES))
     bill = make_bill(summary, prices)
     observed = sum(
         (
@@ -699,7 +700,7 @@ def test_parts_with_different_namespaces_are_grouped_together(tmp_path: Path) ->
 
 def _page(records: list[BillingRecord], prices: str = "") -> str:
     summary = Summary(["namespace"], HOUR_MS, [])
-    summary.add(to_table(records))
+    summary.add(to_table(records, TIMES))
     return render(make_bill(summary, Prices.parse(prices)), summary, "t")
 
 
@@ -869,7 +870,8 @@ def _damaged_parquet(pipeline: Path, tmp_path: Path, column: str, values: pa.Arr
         ("allocated_gpu_seconds", pa.array([float("-inf")]), NOT_FINITE),
         ("allocated_gpu_seconds", pa.array([1.0, -60.0]), OUT_OF_RANGE),  # a negative bill
         ("allocated_gpu_seconds", pa.array([1e300]), OUT_OF_RANGE),
-        ("allocated_gpu_seconds", pa.array([float(1 << 63) / 1000]), OUT_OF_RANGE),
+        # the double after the one the sink writes for 2^63 - 1 milliseconds
+        ("allocated_gpu_seconds", pa.array([math.nextafter(2**63 / 1000, math.inf)]), OUT_OF_RANGE),
         ("allocated_gpu_seconds", pa.array([1.0, None], pa.float64()), NULL),
         ("observed_seconds", pa.array([float("inf")]), "observed_seconds is not a finite number"),
         ("memory_byte_seconds", pa.array([-1.0]), OUT_OF_RANGE),  # summed, never checked
@@ -878,7 +880,7 @@ def _damaged_parquet(pipeline: Path, tmp_path: Path, column: str, values: pa.Arr
         ("reserved_idle_gpu_seconds", pa.array([None], pa.float64()), RESERVED_IDLE_NULL),
     ],
     ids=[
-        "nan", "inf", "-inf", "negative", "1e300", "2**63-milli", "null", "inf-observed",
+        "nan", "inf", "-inf", "negative", "1e300", "above-2**63-milli", "null", "inf-observed",
         "negative-memory", "null-string", "null-v2-reserved-idle",
     ],
 )  # fmt: skip
@@ -1035,3 +1037,78 @@ def test_a_csv_time_without_an_offset_is_utc_whatever_the_local_zone(
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+def _allocations(*alloc_ms: int) -> list[BillingRecord]:
+    """One container record per value, each allocated that many milliseconds (no GPU rows)."""
+    first = _window("GPU-1")[0]
+    return [
+        msgspec.structs.replace(
+            first,
+            pod_uid=f"u{i}",
+            allocated_gpu_seconds=seconds(ms),
+            used_gpu_seconds=seconds(0),
+            record_id=make_record_id(T0, "n1", f"u{i}", "c", "GPU-1"),
+        )
+        for i, ms in enumerate(alloc_ms)
+    ]
+
+
+def _kafka_bill(monkeypatch: pytest.MonkeyPatch, records: list[BillingRecord]) -> Bill:
+    """`make_report` over the billing topic holding `records` (read_range stood in for)."""
+
+    class Reading:
+        async def batches(self) -> Any:
+            yield [SimpleNamespace(value=to_msgpack(r), partition=0, offset=i)
+                   for i, r in enumerate(records)]  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def read_range(*_: object) -> Any:
+        yield Reading()
+
+    monkeypatch.setattr(consumer, "read_range", read_range)
+    prices = Prices.parse("default = 1")
+    args = ReportArgs(T0, T0 + HOUR_MS, ["namespace"], prices, [], [], kafka=object())  # type: ignore[arg-type]
+    return make_report(args)[0]
+
+
+@pytest.mark.parametrize(
+    "alloc_ms, hours, cost",
+    [
+        # 2^63 - 1 ms: a traceback from CSV and JSONL (its double cast to int64), refused from
+        # Parquet (compared as 2^63)
+        ([(1 << 63) - 1], "2562047788015.215502", "2562047788015.22"),
+        # two records of 5e18 ms: an int64 sum that wrapped, a negative bill with exit 0
+        ([5 * 10**18, 5 * 10**18], "2777777777777.777778", "2777777777777.78"),
+        ([(1 << 63) - 1, 1, (1 << 63) - 1], "5124095576030.431004", "5124095576030.43"),
+    ],
+    ids=["2**63-1", "two-5e18", "three-past-2**64"],
+)
+def test_records_at_the_top_of_the_range_are_added_exactly_from_every_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, alloc_ms: list[int], hours: str, cost: str
+) -> None:
+    """README: any number in [0, 2^63 − 1] milli-units is a record's; their sums are exact
+    from CSV, JSON Lines, Parquet and the billing topic alike."""
+    records = _allocations(*alloc_ms)
+    (tmp_path / "b.csv").write_text(_csv_text(records))
+    (tmp_path / "b.jsonl").write_bytes(b"".join(jsonl_line(r) for r in records))
+    sink = ParquetSink(tmp_path / "pq")
+    sink.write(records)
+    sink.close()
+    (tmp_path / "prices.toml").write_text("default = 1\n")
+    expected = (
+        "kind,namespace,gpu_model,gpu_hours_allocated,gpu_hours_used,gpu_hours_reserved_idle,"
+        "efficiency,memory_gib_hours,cost,currency\n"
+        f"group,ns,,{hours},0.000000,0.000000,0.0000,0.000,{cost},USD\n"
+        "rounding_residue,,,,,,,,0.00,USD\n"
+        f"total,,,{hours},0.000000,0.000000,,,{cost},USD\n"
+    )
+    for source in ("--csv", "b.csv"), ("--jsonl", "b.jsonl"), ("--parquet", "pq"):
+        out = tmp_path / "bill.csv"
+        proc = hami("report", *SPAN, source[0], tmp_path / source[1],
+                    "--prices", tmp_path / "prices.toml", "--out-csv", out)  # fmt: skip
+        assert (proc.returncode, proc.stderr) == (0, ""), source
+        assert out.read_text() == expected, source
+    bill = _kafka_bill(monkeypatch, records)
+    assert bill.total == Fraction(sum(alloc_ms), HOUR_MS)
+    assert str(money(bill.total)) == cost

@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..aggregate.columns import to_table
-from ..aggregate.records import CSV_FIELDS, RECORD_MAX, SINCE_VERSION, BillingRecord, in_bounds
+from ..aggregate.records import (
+    CSV_FIELDS,
+    RECORD_MAX,
+    SINCE_VERSION,
+    BillingRecord,
+    in_bounds,
+    seconds,
+)
+from .summary import TIMES
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -146,7 +154,9 @@ def _read_jsonl(path: Path) -> Iterator[BillingRecord]:
 
 
 def from_records(records: Iterable[BillingRecord], from_ms: int, to_ms: int) -> pa.Table:
-    return to_table([r for r in records if from_ms <= r.window_start_ms < to_ms])
+    """The records of [from, to) as `Summary.add` takes them: times as their exact
+    milliseconds, straight from the decimals."""
+    return to_table([r for r in records if from_ms <= r.window_start_ms < to_ms], TIMES)
 
 
 def _open(path: Path) -> Path:
@@ -174,9 +184,9 @@ def _parquet_type_ok(actual: pa.DataType, expected: pa.DataType) -> bool:
 
 
 _DECIMALS = {n for n, t in _HINTS.items() if t is Decimal}
-# A decimal's milli-units as a double: below 2**63, the first double above RECORD_MAX (and
-# what the report's cast to integer milliseconds holds).
-_MILLI_LIMIT = float(1 << 63)
+# The double the Parquet sink writes for the largest seconds a record holds, RECORD_MAX / 1000
+# (the double nearest it, 2^63 / 1000): a larger double is no record's, a smaller one is.
+_SECONDS_MAX = float(seconds(RECORD_MAX))
 
 
 def _any(mask: pa.Array | pa.ChunkedArray) -> bool:
@@ -214,12 +224,8 @@ def _parquet_check(batch: pa.RecordBatch) -> str | None:
             return f"{name} is not a finite number"
     for name in numbers:
         col = batch.column(name)
-        below = pc.less(col, 0)
-        if name in _DECIMALS:
-            above = pc.greater_equal(pc.multiply(col, 1000.0), _MILLI_LIMIT)
-        else:
-            above = pc.greater(col, RECORD_MAX)
-        if _any(pc.or_(below, above)):
+        most = _SECONDS_MAX if name in _DECIMALS else RECORD_MAX
+        if _any(pc.or_(pc.less(col, 0), pc.greater(col, most))):
             return f"a number outside [0, {RECORD_MAX}] (seconds in milli-units)"
     return None
 
@@ -295,7 +301,7 @@ def from_parquet(
                 if why is not None:
                     raise LoadError(f"{path}: not a billing record: {why}")
         # Each part has dictionaries of its own; the report's group-by takes one per column.
-        return table.unify_dictionaries()
+        return _milliseconds(table.unify_dictionaries())
 
     for path in files:
         try:
@@ -349,6 +355,22 @@ def _starts_within(part: pq.ParquetFile, from_ms: int, to_ms: int) -> bool:
         if not (from_ms <= stats.min and stats.max < to_ms):
             return False
     return True
+
+
+def _milliseconds(table: pa.Table) -> pa.Table:
+    """`table` with its `TIMES` as `Summary.add` takes them: each double as its nearest
+    millisecond (the decimal's own below 2^51 ms; above, the double has lost it), at most
+    RECORD_MAX, so the largest record reads as CSV and JSON give it (its double is 2^63 ms)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    most = pa.scalar(RECORD_MAX, pa.uint64())
+    for name in TIMES.intersection(table.column_names):
+        # unsigned: 2^63 ms, a valid double, is one past int64
+        ms = pc.cast(pc.round(pc.multiply(table[name], 1000)), pa.uint64())
+        ms = pc.cast(pc.min_element_wise(ms, most), pa.int64())
+        table = table.set_column(table.schema.get_field_index(name), name, ms)
+    return table
 
 
 def _conform(batch: pa.RecordBatch, target: pa.Schema) -> pa.RecordBatch:

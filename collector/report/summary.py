@@ -1,8 +1,11 @@
 """The numbers of a report, accumulated batch by batch (so a month of records never has to be
 in memory at once): GPU time per group, idle time per GPU, and what the GPUs were observed.
 
-Times are summed as integer milliseconds (a record's seconds are n / 1000 for an integer n), so
-for every GPU model Σ allocated + idle = observed holds exactly here as it does in the records.
+Times arrive as integer milliseconds (`TIMES`: a record's seconds are n / 1000 for an integer n,
+see load.py) and are summed as exact integers, so for every GPU model Σ allocated + idle =
+observed holds exactly here as it does in the records, whatever the magnitudes: a record holds
+up to 2^63 − 1 ms, so two of them overflow int64: the sums are taken in decimal128(38, 0),
+which holds 2^63 such records, and then in Python integers.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from ..aggregate.records import SINCE_VERSION
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["DIMENSIONS", "Summary", "column", "columns_for", "parse_by"]
+__all__ = ["DIMENSIONS", "TIMES", "Summary", "column", "columns_for", "parse_by"]
 
 DIMENSIONS: Final = ("namespace", "workload", "pod", "node", "gpu-model")
+# The record fields `Summary.add` takes as int64 milliseconds, not as the records' seconds.
+TIMES: Final = frozenset(
+    {"observed_seconds", "allocated_gpu_seconds", "used_gpu_seconds", "reserved_idle_gpu_seconds"}
+)
 RESERVED_IDLE_SINCE: Final = SINCE_VERSION["reserved_idle_gpu_seconds"]
 HOUR_MS: Final = 3_600_000
 
@@ -74,26 +81,28 @@ class Summary:
     rows: int = 0
 
     def add(self, table: pa.Table) -> None:
+        """Add `table`'s records: `TIMES` as int64 milliseconds, the rest as `arrow_schema()`."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
         self.rows += table.num_rows
+        exact = pa.decimal128(38, 0)  # int64 sums wrap past 2^63 without a word
 
-        def ms(name: str) -> pa.ChunkedArray:
-            return pc.cast(pc.round(pc.multiply(table[name], 1000)), pa.int64())
+        def ms(col: pa.ChunkedArray) -> pa.ChunkedArray:
+            return pc.cast(col, exact)
 
         t = table.select(["kind", "gpu_model", "node", "device_uuid", "window_start_ms"])
-        t = t.append_column("alloc", ms("allocated_gpu_seconds"))
-        t = t.append_column("used", ms("used_gpu_seconds"))
-        t = t.append_column("obs", ms("observed_seconds"))
+        t = t.append_column("alloc", ms(table["allocated_gpu_seconds"]))
+        t = t.append_column("used", ms(table["used_gpu_seconds"]))
+        t = t.append_column("obs", ms(table["observed_seconds"]))
         t = t.append_column("mem", table["memory_byte_seconds"])
         # Records before version 2 did not measure reserved-idle (Parquet reads it as null):
         # their allocation is counted apart, never as 0 idle.
         old = pc.less(pc.fill_null(table["version"], 1), RESERVED_IDLE_SINCE)
-        t = t.append_column(
-            "ridle", pc.if_else(old, 0, pc.fill_null(ms("reserved_idle_gpu_seconds"), 0))
-        )
-        t = t.append_column("unmeasured", pc.if_else(old, t["alloc"], 0))
+        zero = pa.scalar(0, exact)
+        ridle = pc.if_else(old, 0, pc.fill_null(table["reserved_idle_gpu_seconds"], 0))
+        t = t.append_column("ridle", ms(ridle))
+        t = t.append_column("unmeasured", pc.if_else(old, t["alloc"], zero))
         t = t.append_column("ns", table["namespace"])
         keys = []
         labels: dict[str, pa.ChunkedArray] = {}
@@ -118,16 +127,16 @@ class Summary:
         for row in agg.to_pylist():
             k = tuple(row[c] for c in price_keys)
             acc = self.groups.setdefault(k, [0, 0, 0.0, 0, 0])
-            acc[0] += row["alloc_sum"]
-            acc[1] += row["used_sum"]
+            acc[0] += int(row["alloc_sum"])
+            acc[1] += int(row["used_sum"])
             acc[2] += row["mem_sum"]
-            acc[3] += row["ridle_sum"]
-            acc[4] += row["unmeasured_sum"]
+            acc[3] += int(row["ridle_sum"])
+            acc[4] += int(row["unmeasured_sum"])
         # integer division: window starts are positive
         bucket = pc.divide(ctr["window_start_ms"], self.bucket_ms)
         s = pa.table({"b": pc.cast(bucket, pa.int64()), "g": ctr["g0"], "a": ctr["alloc"]})
         for row in s.group_by(["b", "g"]).aggregate([("a", "sum")]).to_pylist():
-            self.series[(row["b"] * self.bucket_ms, row["g"])] += row["a_sum"]
+            self.series[(row["b"] * self.bucket_ms, row["g"])] += int(row["a_sum"])
 
         gpu = t.filter(pc.is_in(t["kind"], pa.array(["gpu", "idle"])))
         per = gpu.group_by(["kind", "node", "device_uuid", "gpu_model"]).aggregate(
@@ -136,14 +145,15 @@ class Summary:
         for row in per.to_pylist():
             m = self.models.setdefault(row["gpu_model"], [0, 0, 0, 0])
             g = self.gpus.setdefault((row["node"], row["device_uuid"], row["gpu_model"]), [0, 0])
+            obs, alloc, used = (int(row[c]) for c in ("obs_sum", "alloc_sum", "used_sum"))
             if row["kind"] == "gpu":
-                m[0] += row["obs_sum"]
-                m[1] += row["alloc_sum"]
-                g[0] += row["obs_sum"]
+                m[0] += obs
+                m[1] += alloc
+                g[0] += obs
             else:
-                m[2] += row["alloc_sum"]
-                m[3] += row["used_sum"]
-                g[1] += row["alloc_sum"]
+                m[2] += alloc
+                m[3] += used
+                g[1] += alloc
 
     def _dimension(self, table: pa.Table, d: str) -> pa.ChunkedArray:
         import pyarrow.compute as pc
