@@ -47,7 +47,7 @@ from collector.events import Event, Identity, PodIdentity
 from collector.node.scan import Scanner
 from collector.report import html as html_report
 from collector.report.bill import Bill, Line, make_bill, money, to_csv
-from collector.report.command import ReportArgs, make_report
+from collector.report.command import ReportArgs, make_report, table_text
 from collector.report.html import render
 from collector.report.load import LoadError, iso_ms
 from collector.report.prices import PriceError, Prices
@@ -1112,3 +1112,21 @@ def test_records_at_the_top_of_the_range_are_added_exactly_from_every_input(
     bill = _kafka_bill(monkeypatch, records)
     assert bill.total == Fraction(sum(alloc_ms), HOUR_MS)
     assert str(money(bill.total)) == cost
+
+
+def test_nested_empty_keys_are_named_alike_in_the_terminal_and_on_the_page() -> None:
+    """Each --by value is named on its own: the page named the joined key, so two empty
+    values read " / ", and an idle row of no GPU model "(unnamed)", not "(no model)"."""
+    records = [msgspec.structs.replace(r, namespace="", gpu_model="") for r in _window("GPU-1")]
+    summary = Summary(["namespace", "label:team"], HOUR_MS, [])
+    summary.add(to_table(records, TIMES))
+    bill = make_bill(summary, Prices())
+    terminal = [line.split("  ")[0] for line in table_text(bill).splitlines()[1:3]]
+    assert terminal == ["(unnamed) / (unnamed)", "idle: (no model)"]
+    page = render(bill, summary, "t")
+    table = page[page.index('<table class="bill">') :]
+    assert re.findall(r"<tr><td>(.*?)</td>", table[: table.index("</table>")])[:2] == terminal
+    recon = page[page.index('<table class="reconciliation">') :]
+    assert re.findall(r"<tr><td>(.*?)</td>", recon)[0] == "(no model)"
+    # the charts' group labels too
+    assert page.count(">(unnamed) / (unnamed)</text>") == 2

@@ -20,7 +20,7 @@ from typing import Final
 from .prices import Prices
 from .summary import HOUR_MS, Summary, column
 
-__all__ = ["Bill", "Line", "make_bill", "money", "to_csv"]
+__all__ = ["Bill", "Line", "make_bill", "model_name", "money", "part_name", "to_csv"]
 
 GIB: Final = 1 << 30
 
@@ -42,6 +42,16 @@ def hours(ms: int | Fraction) -> Decimal:
     )
 
 
+def part_name(value: str) -> str:
+    """One --by value as the bill shows it: empty (no namespace, no such label) is named."""
+    return value or "(unnamed)"
+
+
+def model_name(model: str) -> str:
+    """A GPU model as the bill shows it: empty while no inventory named it."""
+    return model or "(no model)"
+
+
 @dataclass
 class Line:
     kind: str  # group | idle
@@ -53,6 +63,14 @@ class Line:
     cost: Fraction  # after the adjustments
     reserved_idle_ms: int = 0  # allocated while its containers had no SM activity
     unmeasured_ms: int = 0  # allocated in records older than reserved-idle (not in the above)
+
+    @property
+    def name(self) -> str:
+        """The line's first column, in the terminal and on the page alike: each --by value
+        named on its own (a nested key of two empty values is two names, never " / ")."""
+        if self.kind == "idle":
+            return f"idle: {model_name(self.key[0])}"
+        return " / ".join(map(part_name, self.key))
 
     @property
     def efficiency(self) -> Decimal | None:

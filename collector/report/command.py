@@ -98,21 +98,12 @@ def table_text(bill: Bill) -> str:
         f"cost {cur}",
     ]
     rows = [
-        [" / ".join(k or "(unnamed)" for k in x.key), str(hours(x.allocated_ms)),
-         str(hours(x.used_ms)), str(hours(x.reserved_idle_ms)),
+        [x.name, str(hours(x.allocated_ms)), str(hours(x.used_ms)), str(hours(x.reserved_idle_ms)),
          "" if x.efficiency is None else str(x.efficiency), str(money(x.cost))]
         for x in bill.groups
     ]  # fmt: skip
     rows += [
-        [
-            f"idle: {x.key[0] or '(no model)'}",
-            str(hours(x.allocated_ms)),
-            "",
-            "",
-            "",
-            str(money(x.cost)),
-        ]
-        for x in bill.idle
+        [x.name, str(hours(x.allocated_ms)), "", "", "", str(money(x.cost))] for x in bill.idle
     ]
     rows.append(["rounding residue", "", "", "", "", str(bill.residue)])
     rows.append(["total", "", "", "", "", str(money(bill.total))])

@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from .bill import Bill, hours, money
+from .bill import Bill, hours, model_name, money, part_name
 from .summary import Summary
 
 __all__ = ["render"]
@@ -52,10 +52,6 @@ def _legend(ax: Any, **kw: Any) -> None:
         ax.legend(**kw)
 
 
-def _name(key: str) -> str:
-    return key if key and key.strip("/") else "(unnamed)"
-
-
 def _over_time(summary: Summary) -> str:
     import datetime as dt
 
@@ -76,7 +72,7 @@ def _over_time(summary: Summary) -> str:
     width = summary.bucket_ms / 86_400_000 * 0.9
     bottom = [0.0] * len(buckets)
     for g, ys in stacks.items():
-        ax.bar(xs, ys, width=width, bottom=bottom, label=_name(g), align="edge")
+        ax.bar(xs, ys, width=width, bottom=bottom, label=part_name(g), align="edge")
         bottom = [a + b for a, b in zip(bottom, ys, strict=True)]
     ax.set_ylabel("GPU-hours allocated")
     ax.set_title(f"GPU-hours per {summary.by[0]} over time")
@@ -88,7 +84,7 @@ def _over_time(summary: Summary) -> str:
 def _allocated_vs_used(bill: Bill) -> str:
     plt = _pyplot()
     lines = bill.groups[:15]
-    labels = [_name(" / ".join(x.key)) for x in lines][::-1]
+    labels = [x.name for x in lines][::-1]
     alloc = [x.allocated_ms / 3_600_000 for x in lines][::-1]
     used = [x.used_ms / 3_600_000 for x in lines][::-1]
     fig, ax = plt.subplots(figsize=(9, 0.4 * len(lines) + 1.2))
@@ -108,7 +104,7 @@ def _reserved_idle(bill: Bill) -> str:
     uses beyond that (a memory share while SMs idle, SM time beyond a limit) is marked."""
     plt = _pyplot()
     lines = bill.groups[:15]
-    labels = [_name(" / ".join(x.key)) for x in lines][::-1]
+    labels = [x.name for x in lines][::-1]
     h = 3_600_000
     idle = [x.reserved_idle_ms / h for x in lines][::-1]
     active = [(x.allocated_ms - x.reserved_idle_ms) / h for x in lines][::-1]
@@ -190,20 +186,17 @@ def render(bill: Bill, summary: Summary, title: str) -> str:
             "before it (record version 1): not counted as idle."
         )
     groups = [
-        [_name(" / ".join(x.key)), hours(x.allocated_ms), hours(x.used_ms),
+        [x.name, hours(x.allocated_ms), hours(x.used_ms),
          hours(x.reserved_idle_ms), "" if x.efficiency is None else x.efficiency, money(x.cost)]
         for x in bill.groups
     ]  # fmt: skip
-    groups += [
-        [f"idle: {_name(x.key[0])}", hours(x.allocated_ms), "", "", "", money(x.cost)]
-        for x in bill.idle
-    ]
+    groups += [[x.name, hours(x.allocated_ms), "", "", "", money(x.cost)] for x in bill.idle]
     groups.append(["rounding residue", "", "", "", "", bill.residue])
     groups.append(["total", "", "", "", "", money(bill.total)])
     # The price as prices.toml states it: a sub-cent list price rounded to the cent would
     # misstate what every cost is computed from.
     recon = [
-        [_name(m.model), hours(m.observed_ms), hours(m.allocated_ms), hours(m.idle_ms),
+        [model_name(m.model), hours(m.observed_ms), hours(m.allocated_ms), hours(m.idle_ms),
          "yes" if m.balanced else "NO", f"{m.price:f}", money(m.observed_cost)]
         for m in bill.models
     ]  # fmt: skip
