@@ -214,7 +214,7 @@ def _bill(csv_path: Path, rows: list[dict[str, str]], out: Path) -> str:
         return f"bill: needs the report extra ({exc})\n"
     if not rows:
         return "bill: no records\n"
-    from .report.load import iso_ms
+    from .aggregate.records import iso_ms
 
     first = min(iso_ms(r["window_start"]) for r in rows)
     last = max(iso_ms(r["window_end"]) for r in rows)

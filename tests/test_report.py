@@ -37,19 +37,21 @@ from collector.aggregate.records import (
     BillingRecord,
     csv_header,
     csv_row,
+    iso_ms,
     jsonl_line,
     make_record_id,
     seconds,
     to_json,
     to_msgpack,
 )
+from collector.cli.args import iso_ms as args_iso_ms
 from collector.events import Event, Identity, PodIdentity
 from collector.node.scan import Scanner
 from collector.report import html as html_report
 from collector.report.bill import Bill, Line, make_bill, money, to_csv
 from collector.report.command import ReportArgs, make_report, table_text
 from collector.report.html import render
-from collector.report.load import LoadError, iso_ms
+from collector.report.load import LoadError
 from collector.report.prices import PriceError, Prices
 from collector.report.summary import HOUR_MS, TIMES, Summary
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice
@@ -1130,3 +1132,45 @@ def test_nested_empty_keys_are_named_alike_in_the_terminal_and_on_the_page() -> 
     assert re.findall(r"<tr><td>(.*?)</td>", recon)[0] == "(no model)"
     # the charts' group labels too
     assert page.count(">(unnamed) / (unnamed)</text>") == 2
+
+
+@pytest.mark.parametrize(
+    "text, ms",
+    [
+        ("2026-01-01T00:00:00Z", T0),
+        ("2026-01-01T00:00:00.0004Z", T0 + 1),  # was rounded to the nearest, T0
+        ("2026-01-01T00:00:00.001Z", T0 + 1),
+        ("2026-01-01T00:00:00.0010000001Z", T0 + 2),  # past the microseconds datetime keeps
+        ("2026-01-01T00:00:00.0000000Z", T0),
+        ("2026-01-01T09:00:00.0005+09:00", T0 + 1),
+        ("2026-01-01", T0),
+        ("1969-12-31T23:59:59.9995Z", 0),  # before 1970: still up, towards the later ms
+    ],
+)
+def test_a_time_within_a_millisecond_is_the_next_millisecond(text: str, ms: int) -> None:
+    assert iso_ms(text) == ms
+    assert args_iso_ms("--from", text, "report") == ms
+
+
+@pytest.mark.parametrize(
+    "span, groups",
+    [
+        (["--from", "2026-01-01T00:00:00.0004Z", "--to", "2026-01-02"], 0),
+        (["--from", "2025-12-31", "--to", "2026-01-01T00:00:00.0004Z"], 1),
+        (["--from", "2026-01-01T00:00:00Z", "--to", "2026-01-01T00:00:00.0004Z"], 1),
+    ],
+)
+def test_report_takes_the_windows_starting_in_from_to_at_sub_millisecond_bounds(
+    tmp_path: Path, span: list[str], groups: int
+) -> None:
+    """The window starting at 00:00:00.000 lies before --from 00:00:00.0004 and before
+    --to 00:00:00.0004: both were rounded to the nearest millisecond, 00:00:00.000."""
+    path = tmp_path / "in.csv"
+    path.write_text(_csv_text(_window("GPU-1")))
+    out = tmp_path / "bill.csv"
+    proc = hami("report", *span, "--csv", path, "--out-csv", out)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    rows = [r for r in csv.DictReader(out.open()) if r["kind"] == "group"]
+    assert [(r["namespace"], r["gpu_hours_allocated"]) for r in rows] == [
+        ("ns", "0.016667")
+    ] * groups

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 from decimal import Decimal
 from typing import Final
 
@@ -33,6 +34,7 @@ __all__ = [
     "decimal_text",
     "from_msgpack",
     "in_bounds",
+    "iso_ms",
     "iso_utc",
     "jsonl_line",
     "make_record_id",
@@ -151,6 +153,27 @@ def make_record_id(
     if kind in ("gpu", "idle"):  # container and node rows keep the ids they always had
         text += f"|{kind}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+_EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_FRACTION: Final = re.compile(r"[.,](\d+)")
+
+
+def iso_ms(text: str) -> int:
+    """An ISO-8601 time in epoch milliseconds, ValueError if it is none. One without a UTC
+    offset is UTC, never the local time of the machine that reads it. A time within a
+    millisecond is the next millisecond (integer arithmetic, no float): the windows starting in
+    `[from, to)` are then exactly those starting at or after `from` and before `to`."""
+    when = dt.datetime.fromisoformat(text)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    delta = when - _EPOCH
+    us = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    # datetime keeps six decimals and drops the rest: a time past them lies after `us`
+    fraction = _FRACTION.search(text)
+    if fraction is not None and fraction.group(1)[6:].strip("0"):
+        us += 1
+    return -(-us // 1000)
 
 
 def iso_utc(ms: int) -> str:

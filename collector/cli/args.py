@@ -76,16 +76,14 @@ def switch(p: argparse._ActionsContainer, flag: str, help: str, *, negatable: bo
 
 
 def iso_ms(flag: str, text: str, command: str = "replay") -> int:
-    """An ISO-8601 time as epoch milliseconds; a time without an offset is UTC."""
-    from datetime import UTC, datetime
+    """A flag's ISO-8601 time as epoch milliseconds (`records.iso_ms`: UTC without an offset,
+    a time within a millisecond the next one)."""
+    from ..aggregate.records import iso_ms as epoch_ms
 
     try:
-        when = datetime.fromisoformat(text)
+        return epoch_ms(text)
     except ValueError:
         raise UsageError(
             f"hami-usage {command}: {flag} {text!r}: not an ISO-8601 time"
             + (" (or earliest, latest)" if command == "aggregate" else "")
         ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return round(when.timestamp() * 1000)

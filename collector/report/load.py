@@ -7,7 +7,6 @@ column-wise, only the columns the report needs, and only the day partitions of t
 from __future__ import annotations
 
 import csv
-import datetime as dt
 import os
 import re
 import typing
@@ -25,6 +24,7 @@ from ..aggregate.records import (
     SINCE_VERSION,
     BillingRecord,
     in_bounds,
+    iso_ms,
     seconds,
 )
 from .summary import TIMES
@@ -38,15 +38,6 @@ __all__ = ["LoadError", "checked", "from_csv", "from_jsonl", "from_parquet", "fr
 
 class LoadError(Exception):
     """Input that cannot be read as billing records; one line."""
-
-
-def iso_ms(text: str) -> int:
-    """An ISO-8601 time in epoch ms; one without a UTC offset is UTC (as `--from`/`--to`),
-    never the local time of the machine that runs the report."""
-    when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.UTC)
-    return round(when.timestamp() * 1000)
 
 
 def checked(record: BillingRecord) -> BillingRecord:
