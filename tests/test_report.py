@@ -1174,3 +1174,14 @@ def test_report_takes_the_windows_starting_in_from_to_at_sub_millisecond_bounds(
     assert [(r["namespace"], r["gpu_hours_allocated"]) for r in rows] == [
         ("ns", "0.016667")
     ] * groups
+
+
+def test_a_zero_price_or_adjustment_at_any_exponent_is_zero() -> None:
+    """0 is in range whatever its exponent: `0e-50` was refused as outside ±30."""
+    p = Prices.parse(
+        "default = 0e-50\n[models]\nA = 0.0e-99\n[namespaces]\nx = 0e99\n"
+        "[labels.team]\nv = -0e-40\n"
+    )
+    assert (str(p.default), str(p.price("A")), str(p.namespaces["x"])) == ("0", "0", "0")
+    assert str(p.labels["team"]["v"]) == "0"
+    assert p.factor("x", {"team": "v"}) == 1

@@ -43,6 +43,8 @@ def _decimal(where: str, value: Any) -> Decimal:
         raise PriceError(f"{where}: not a number: {value!r}") from None
     if not d.is_finite():
         raise PriceError(f"{where}: not a finite number: {value!r}")
+    if d.is_zero():  # at any exponent: 0e-50 is 0, and the page prints 0, not its 50 places
+        return Decimal(0)
     # Money is exact: a price of 1e999999999 would be a Fraction of a billion digits, and the
     # report would never end. Real prices and adjustments are far inside this range.
     if abs(d.adjusted()) > MAX_EXPONENT:
