@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from streams import (
     WINDOW,
     build,
@@ -34,6 +34,17 @@ from collector.aggregate.service import AggregateSettings, run_kafka
 pytestmark = pytest.mark.kafka
 
 
+def _replica(
+    bootstrap: str, topic: str, tmp_path: Path, instance: str, drain: bool = False
+) -> AggregateSettings:
+    """Replica `instance` of group `<topic>.g` billing to `<topic>.billing`, CSV in tmp_path."""
+    return AggregateSettings(
+        window=WINDOW, kafka=bootstrap, topic=topic, billing_topic=f"{topic}.billing",
+        group=f"{topic}.g", log_dir=tmp_path, csv=str(tmp_path / f"{instance}.csv"),
+        instance=instance, drain=drain,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("hold_s", [10.0, 15.0])
 def test_a_partition_revoked_mid_publish_is_billed_once(
     kafka_bootstrap: str,
@@ -51,11 +62,7 @@ def test_a_partition_revoked_mid_publish_is_billed_once(
     group = f"{kafka_topic}.g"
 
     def settings(instance: str, drain: bool = False) -> AggregateSettings:
-        return AggregateSettings(
-            window=WINDOW, kafka=kafka_bootstrap, topic=kafka_topic, billing_topic=billing,
-            group=group, log_dir=tmp_path, csv=str(tmp_path / f"{instance}.csv"),
-            instance=instance, drain=drain,
-        )  # fmt: skip
+        return _replica(kafka_bootstrap, kafka_topic, tmp_path, instance, drain)
 
     real_send = AIOKafkaProducer.send
     held = asyncio.Event()
@@ -92,6 +99,154 @@ def test_a_partition_revoked_mid_publish_is_billed_once(
     got = sorted(asyncio.run(read_billing(kafka_bootstrap, billing)), key=sort_key)
     ids = [r.record_id for r in got]
     assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} records published twice"
+    assert got == sorted(reference(msgs), key=sort_key)
+
+
+def test_a_drain_that_gains_a_partition_reads_it_to_its_end(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `--drain` replica "a" shares the partitions with a live "b"; b goes away and a gains
+    its partition mid-drain. Its drain waited for the end offsets of its first assignment only,
+    then flushed every partition it held: the gained one's windows were billed from the first
+    batch read of it (smaller values, exit 0, damage none)."""
+    t0 = recent_t0(300)
+    # node-b on partition 0, which the round robin gives to "a" (member ids sort by instance);
+    # node-a and node-c on partition 1, twice the backlog: a reads its own to the end first
+    msgs = build(tmp_path / "nodes", t0, nodes=("node-a", "node-b", "node-c"))
+    billing = f"{kafka_topic}.billing"
+    group = f"{kafka_topic}.g"
+
+    def settings(instance: str, drain: bool = False) -> AggregateSettings:
+        return _replica(kafka_bootstrap, kafka_topic, tmp_path, instance, drain)
+
+    real_getmany = AIOKafkaConsumer.getmany
+    real_caught_up = service._caught_up
+    real_aggregator = service.Tally.aggregator
+    assigned: list[str] = []  # who got a partition: "b", "a", then "gained" (a, once b left)
+
+    own: list[int] = []  # the partitions a was first given
+    started: list[bool] = []  # a read the gained partition
+
+    async def getmany(self: AIOKafkaConsumer, *tps: Any, **kwargs: Any) -> Any:
+        kwargs["max_records"] = 50  # a backlog takes many turns of the loop
+        if "gained" in assigned and not tps:
+            # One batch of the gained partition, then a's own to their end: a backlog on the
+            # gained one that outlasts them, whatever order aiokafka fetches in.
+            mine = [tp for tp in self.assignment() if tp.partition in own]
+            theirs = [tp for tp in self.assignment() if tp.partition not in own]
+            if not started:
+                got = await real_getmany(self, *theirs, **kwargs)
+                started.append(bool(got))
+                return got
+            ends = await self.end_offsets(mine)
+            if any([await self.position(tp) < ends[tp] for tp in mine]):
+                return await real_getmany(self, *mine, **kwargs)
+        return await real_getmany(self, *tps, **kwargs)
+
+    async def caught_up(consumer: Any, ends: dict[Any, int]) -> bool:
+        return "gained" in assigned and await real_caught_up(consumer, ends)
+
+    async def scenario() -> None:
+        await create_topic(kafka_bootstrap, kafka_topic, 2)
+        await create_topic(kafka_bootstrap, billing, 1)
+        assert await produce(kafka_bootstrap, kafka_topic, msgs) == {
+            "node-a": 1,
+            "node-b": 0,
+            "node-c": 1,
+        }
+        monkeypatch.setattr(AIOKafkaConsumer, "getmany", getmany)
+        monkeypatch.setattr(service, "_caught_up", caught_up)
+        who = ["a"]
+
+        tallies: list[int] = []  # b's, then a's
+
+        def aggregator(self: Any, partition: int, emitted_until_ms: int) -> Any:
+            if id(self) not in tallies:
+                tallies.append(id(self))
+            if tallies.index(id(self)) == 0:
+                assigned.append("b")
+            else:
+                assigned.append(who[0])
+                if who[0] == "a":
+                    own.append(partition)
+            return real_aggregator(self, partition, emitted_until_ms)
+
+        monkeypatch.setattr(service.Tally, "aggregator", aggregator)
+
+        async def until(what: str) -> None:
+            while what not in assigned:
+                await asyncio.sleep(0.1)
+
+        stop_b = asyncio.Event()
+        b = asyncio.create_task(run_kafka(settings("b"), stop_b))
+        await asyncio.wait_for(until("b"), 60)
+        a = asyncio.create_task(run_kafka(settings("a", drain=True), asyncio.Event()))
+        await asyncio.wait_for(until("a"), 60)
+        stop_b.set()
+        await b
+        who[0] = "gained"  # a's next assignment holds b's partition (after b's session ends)
+        await asyncio.wait_for(a, 120)
+        monkeypatch.undo()
+        await wait_group_empty(kafka_bootstrap, group)
+        await run_kafka(settings("a", drain=True), asyncio.Event())
+
+    asyncio.run(scenario())
+    got = sorted(asyncio.run(read_billing(kafka_bootstrap, billing)), key=sort_key)
+    assert len(got) == len({r.record_id for r in got})
+    assert got == sorted(reference(msgs), key=sort_key)
+
+
+def test_a_drain_that_loses_a_partition_drains_the_rest(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `--drain` replica "a" holds both partitions when a live "b" joins and takes one: the
+    drain went on asking the position of the partition it no longer held and stopped with
+    `IllegalStateError` (exit 1). It drains the one it keeps; b's goes on in b."""
+    t0 = recent_t0(300)
+    msgs = build(tmp_path / "nodes", t0)
+    billing = f"{kafka_topic}.billing"
+    group = f"{kafka_topic}.g"
+
+    def settings(instance: str, drain: bool = False) -> AggregateSettings:
+        return _replica(kafka_bootstrap, kafka_topic, tmp_path, instance, drain)
+
+    real_caught_up = service._caught_up
+    real_aggregator = service.Tally.aggregator
+    given: list[int] = []  # how many partitions each assignment of a gave it
+    tallies: list[int] = []  # a's, then b's
+
+    async def caught_up(consumer: Any, ends: dict[Any, int]) -> bool:
+        return len(given) > 2 and await real_caught_up(consumer, ends)
+
+    def aggregator(self: Any, partition: int, emitted_until_ms: int) -> Any:
+        if id(self) not in tallies:
+            tallies.append(id(self))
+        if tallies.index(id(self)) == 0:
+            given.append(partition)
+        return real_aggregator(self, partition, emitted_until_ms)
+
+    async def scenario() -> None:
+        await create_topic(kafka_bootstrap, kafka_topic, 2)
+        await create_topic(kafka_bootstrap, billing, 1)
+        await produce(kafka_bootstrap, kafka_topic, msgs)
+        monkeypatch.setattr(service, "_caught_up", caught_up)
+        monkeypatch.setattr(service.Tally, "aggregator", aggregator)
+        a = asyncio.create_task(run_kafka(settings("a", drain=True), asyncio.Event()))
+        while len(given) < 2:  # a holds both
+            await asyncio.sleep(0.1)
+        stop_b = asyncio.Event()
+        b = asyncio.create_task(run_kafka(settings("b"), stop_b))
+        await asyncio.wait_for(a, 120)  # given a third time: the one partition a keeps
+        stop_b.set()
+        await b
+        monkeypatch.undo()
+        await wait_group_empty(kafka_bootstrap, group)
+        await run_kafka(settings("a", drain=True), asyncio.Event())
+
+    asyncio.run(scenario())
+    assert len(given) == 3
+    got = sorted(asyncio.run(read_billing(kafka_bootstrap, billing)), key=sort_key)
+    assert len(got) == len({r.record_id for r in got})
     assert got == sorted(reference(msgs), key=sort_key)
 
 

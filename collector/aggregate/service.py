@@ -489,6 +489,9 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     assert settings.kafka is not None
     aggs: dict[TopicPartition, Aggregator] = {}
     positions: dict[TopicPartition, int] = {}
+    # --drain: each partition held, and its end when it was assigned (a partition gained in a
+    # rebalance is read to its own end before the drain flushes; one lost is no longer waited for)
+    ends: dict[TopicPartition, int] = {}
     # The rebalance listener runs in aiokafka's task, which only logs what it raises.
     failed: list[CheckpointError] = []
     watch = DamageWatch(settings.stats.damage, settings.window.max_skew_ms)
@@ -528,6 +531,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     if agg is not None:
                         tally.revoke(agg, tp.partition)
                     positions.pop(tp, None)
+                    ends.pop(tp, None)
 
         async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
             # aiokafka already hands out records of the new partitions while this runs, and
@@ -548,6 +552,8 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 failed.append(exc)
                 return
             fresh = await start_offsets(consumer, list(assigned), settings.start_from)
+            gained = await consumer.end_offsets(list(assigned)) if settings.drain else {}
+            ends.update(gained)
             for tp in assigned:
                 om = committed.get(tp)
                 try:
@@ -634,7 +640,6 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             # so a crash before the first window closes cuts back to here rather than
             # appending twice.
             await publish(outputs, [])
-        ends = await consumer.end_offsets(list(aggs)) if settings.drain else {}
         last_commit = time.monotonic()
         clock = 0  # the newest record time of any partition
         while not stopping.is_set():
@@ -767,8 +772,13 @@ async def start_offsets(consumer: Any, tps: list[Any], start_from: str | int) ->
 
 
 async def _caught_up(consumer: Any, ends: dict[Any, int]) -> bool:
-    for tp, end in ends.items():
-        if await consumer.position(tp) < end:
+    from aiokafka.errors import IllegalStateError
+
+    for tp, end in list(ends.items()):  # (the rebalance listener changes it while this awaits)
+        try:
+            if await consumer.position(tp) < end:
+                return False
+        except IllegalStateError:  # revoked meanwhile: the next turn has the assignment
             return False
     return True
 
