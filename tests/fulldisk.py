@@ -75,11 +75,13 @@ class FullDisk:
             with contextlib.suppress(ProcessLookupError):
                 resource.prlimit(self.pid, resource.RLIMIT_FSIZE, (hard, hard))
 
-    def preexec(self) -> Callable[[], None] | None:
-        """For a writer started while the disk is full (rlimit kind)."""
+    def preexec(self, limit: int | None = None) -> Callable[[], None] | None:
+        """For a writer started while the disk is full (rlimit kind): no file of it grows past
+        `limit` bytes (by default the newest segment's size)."""
         if self.kind != "rlimit" or not self.full:
             return None
-        limit = self._newest_segment()
+        if limit is None:
+            limit = self._newest_segment()
         hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
         return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
 

@@ -3,7 +3,9 @@
 Disk full, I/O errors and the log's own size bound are one condition: the collector keeps
 scanning, counts what it drops (metric + heartbeat), logs once per episode, says "degraded" on
 /healthz, writes again by itself when space returns, and loses nothing it had written; a
-restart on a full disk does not crash.
+restart on a full disk does not crash. The aggregator of a local log whose checkpoint or
+output the disk refuses says so in one line and exits 1; its restart goes on from its last
+commit.
 """
 
 from __future__ import annotations
@@ -20,10 +22,25 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from fulldisk import full_disk
+from streams import (
+    CSV_HEADER,
+    T0_MS,
+    WINDOW_FLAGS,
+    Spec,
+    build,
+    csv_lines,
+    env,
+    read_csv,
+    reference,
+    write_local_log,
+)
 from test_collector_metrics import get as http_get
 
+from collector.aggregate.records import BillingRecord
+from collector.aggregate.sinks import JsonlSink
 from collector.events import Heartbeat, decode
 from collector.simulate import NodeSimulator
 from collector.transport.locallog import LocalLog, LogReader, LogRecord
@@ -345,3 +362,108 @@ def test_a_first_start_that_cannot_create_the_lock_is_one_line_and_exit_1(tmp_pa
         f"hami-usage collect: {log}: cannot create writer.lock: No space left on device"
     ), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --- the aggregator of a local log ---------------------------------------------------------
+
+# One node, 2 containers on one device: the first windows an aggregate closes are 4056 bytes
+# of CSV, less than a file's write buffer and more than the rest of the page its header is in.
+SMALL = Spec(containers=2, procs=1, devices=1)
+
+
+def aggregate(cmd: list[str | Path], preexec: object = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(HAMI_USAGE), *map(str, cmd)], capture_output=True, text=True, timeout=120,
+        env=env(), preexec_fn=preexec,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_a_checkpoint_the_disk_refuses_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """The local log, and so the group's checkpoint, on a full disk (the output elsewhere):
+    at a first start and at the commit of a drain with nothing new, one line naming the
+    checkpoint and exit 1 (it was a traceback). The checkpoint is the last one written, and the
+    drain after space returns ends with the records a run without the full disk writes."""
+    msgs = build(tmp_path / "nodes", T0_MS, SMALL, ("node-a",))
+    jsonl = tmp_path / "out.jsonl"
+    with full_disk(tmp_path / "disk") as disk:
+        log = disk.directory / "log"
+        write_local_log(log, msgs)
+        checkpoint = log / "consumers" / "hami-usage-aggregator.json"
+        cmd = ["aggregate", "--log", log, *WINDOW_FLAGS, "--jsonl", jsonl, "--drain"]
+        disk.fill()
+        first = aggregate(cmd, disk.preexec(limit=0))
+        disk.free()
+        drained = aggregate(cmd)
+        committed = checkpoint.read_bytes()
+        disk.fill()
+        again = aggregate(cmd, disk.preexec(limit=0))
+        disk.free()
+        assert checkpoint.read_bytes() == committed
+        assert list(checkpoint.parent.iterdir()) == [checkpoint]  # (no temporary file left)
+        last = aggregate(cmd)
+    line = f"hami-usage aggregate: cannot write {checkpoint}: {disk.strerror}\n"
+    for proc in (first, again):
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.endswith(line), proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert (drained.returncode, last.returncode) == (0, 0), drained.stderr + last.stderr
+    got = [msgspec.json.decode(x, type=BillingRecord) for x in jsonl.read_bytes().splitlines()]
+    assert got == reference(msgs)
+
+
+def test_an_output_the_disk_refuses_is_one_line_though_its_buffer_is_left(
+    tmp_path: Path,
+) -> None:
+    """The CSV on a full disk takes the header (a first run over an empty log) and then
+    refuses the first windows, which were held in the file's buffer: closing the file flushes
+    that buffer and fails again, which replaced the one line with a traceback. Space again, the
+    drain writes every record once."""
+    log = tmp_path / "log"
+    LocalLog(log).close()
+    msgs = build(tmp_path / "nodes", T0_MS, SMALL, ("node-a",))
+    with full_disk(tmp_path / "disk") as disk:
+        csv = disk.directory / "out.csv"
+        cmd = ["aggregate", "--log", log, *WINDOW_FLAGS, "--csv", csv, "--drain"]
+        header = aggregate(cmd)
+        assert header.returncode == 0, header.stderr
+        assert csv.read_text() == CSV_HEADER
+        write_local_log(log, msgs)
+        disk.fill()
+        refused = aggregate(cmd, disk.preexec(limit=len(CSV_HEADER)))
+        disk.free()
+        last = aggregate(cmd)
+        got = read_csv(csv)
+    assert refused.returncode == 1, refused.stderr
+    assert refused.stderr.endswith(f"hami-usage aggregate: cannot write {csv}: {disk.strerror}\n")
+    assert "Traceback" not in refused.stderr
+    assert last.returncode == 0, last.stderr
+    assert got == csv_lines(reference(msgs))
+
+
+def test_a_file_sink_the_disk_refuses_is_closed_all_the_same(tmp_path: Path) -> None:
+    """What it holds in its buffer cannot be written: close raises the disk's error and the
+    file is closed (its descriptor was kept)."""
+    records = reference(build(tmp_path / "nodes", T0_MS, SMALL, ("node-a",)))[:4]
+    with full_disk(tmp_path / "disk", size=1024 * 1024) as disk:
+        path = disk.directory / "out.jsonl"
+        disk.attach(os.getpid())
+        sink = JsonlSink(path)
+        try:
+            disk.fill()  # (the file is empty: no room in a page of its own, a limit of 0)
+            sink.write(records)  # (into the buffer)
+            with pytest.raises(OSError) as refused:
+                sink.close()
+            sink.close()  # (closed: nothing to do)
+        finally:
+            disk.free()
+        held = [fd for fd in os.listdir("/proc/self/fd") if held_path(fd) == str(path)]
+        size = path.stat().st_size
+    assert refused.value.errno == disk.errno
+    assert (held, size) == ([], 0)
+
+
+def held_path(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # (the listing's own descriptor, closed by now)
+        return ""

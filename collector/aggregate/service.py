@@ -34,6 +34,7 @@ from tenacity import (
 )
 
 from ..transport.locallog import CorruptCheckpointError, LogReader, ReaderStats
+from ..transport.locallog.checkpoint import checkpoint_path
 from ..transport.security import KafkaSecurity
 from .billing import Format, billing_message
 from .damage import CheckpointError, DamageReport
@@ -212,10 +213,18 @@ class Outputs:
                 self.replicas[instance] = _longest(self.replicas.get(instance), lengths)
 
     def close_files(self) -> None:
+        """Every file is closed, even after one could not be (its buffer not written: a full
+        disk); the first failure is raised."""
+        failure: OutputError | None = None
         for sink in (self.csv, self.jsonl, self.parquet):
             if sink is not None:
-                sink.close()
+                try:
+                    sink.close()
+                except OSError as exc:
+                    failure = failure or cannot_write(sink.path, exc)
         self.csv = self.jsonl = self.parquet = None
+        if failure is not None:
+            raise failure
 
     def write(self, records: list[BillingRecord]) -> None:
         for sink in (self.csv, self.jsonl, self.parquet):
@@ -224,8 +233,7 @@ class Outputs:
                     sink.write(records)
                     sink.flush()
                 except OSError as exc:  # a full disk, a file where a day folder goes
-                    where = exc.filename or sink.path
-                    raise OutputError(f"cannot write {where}: {exc.strerror or exc}") from None
+                    raise cannot_write(exc.filename or sink.path, exc) from None
         self.written += len(records)
 
     def export(self, records: list[BillingRecord], aggregators: Iterable[Aggregator]) -> None:
@@ -251,10 +259,18 @@ class Outputs:
         self.replicas[self.instance] = mine
         return Checkpoint(emitted_until_ms, max(mine[0], 0), max(mine[1], 0), dict(self.replicas))
 
-    def close(self) -> None:
-        self.close_files()
-        if self.otlp is not None:
-            self.otlp.shutdown()
+    def close(self, after_error: bool = False) -> None:
+        """A file that cannot be closed (a full disk refused its buffer) is OutputError, unless
+        `after_error`: the error already on its way out says what failed first (most likely
+        this same disk), and raising here would replace it."""
+        try:
+            self.close_files()
+        except OutputError:
+            if not after_error:
+                raise
+        finally:
+            if self.otlp is not None:
+                self.otlp.shutdown()
 
 
 @dataclass
@@ -389,6 +405,15 @@ def read_damage(st: ReaderStats, damage: DamageReport) -> None:
     damage.missing_segments = st.missing_segments
 
 
+def commit_local(reader: LogReader, settings: AggregateSettings, offset: int, meta: str) -> None:
+    """A checkpoint the disk refuses ends the service as an output file it refuses does: the
+    restart goes on from the last checkpoint written."""
+    try:
+        reader.commit(settings.group, offset, meta)
+    except OSError as exc:
+        raise cannot_write(checkpoint_path(settings.log_dir, settings.group), exc) from None
+
+
 async def settled_tail(reader: LogReader) -> int:
     """Bytes of a torn tail of the newest segment, once it has had time to be completed."""
     torn = reader.torn_tail()
@@ -414,15 +439,16 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         settings.instance,
         settings.parquet,
     )
-    if outputs.first_start:
-        # First start of this group: commit where the files stand now, so a crash before the
-        # first window closes cuts back to here rather than appending twice.
-        # (the group's last emitted window stays: a replica's first start is not the group's)
-        outputs.write([])  # the new files' headers on disk before their lengths are committed
-        meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
-        reader.commit(settings.group, position, meta)
-    last_commit = time.monotonic()
+    raising = False
     try:
+        if outputs.first_start:
+            # First start of this group: commit where the files stand now, so a crash before
+            # the first window closes cuts back to here rather than appending twice.
+            # (the group's last emitted window stays: a replica's first start is not the group's)
+            outputs.write([])  # the new files' headers on disk before their lengths are committed
+            meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
+            commit_local(reader, settings, position, meta)
+        last_commit = time.monotonic()
         while not stopping.is_set():
             settings.liveness.beat()
             batch = await asyncio.to_thread(reader.read, position, 5000)
@@ -453,11 +479,8 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             if records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S:
                 outputs.write(records)
                 needed = agg.needed_offsets().get(0, position)
-                reader.commit(
-                    settings.group,
-                    needed,
-                    msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode(),
-                )
+                meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
+                commit_local(reader, settings, needed, meta)
                 outputs.export(records, [agg])
                 last_commit = time.monotonic()
             if done:
@@ -465,9 +488,12 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 break
             if not batch:
                 await asyncio.sleep(0.5)
+    except BaseException:
+        raising = True
+        raise
     finally:
         try:
-            outputs.close()  # (the last OTLP push, which the line counts)
+            outputs.close(after_error=raising)  # (the last OTLP push, which the line counts)
         finally:
             line = report(settings, [agg.stats], agg.future_by_node, outputs.written, outputs.otlp)
             log.info("%s", line)
@@ -592,6 +618,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 raise
 
     outputs: Outputs | None = None
+    raising = False
     try:
         broker = wait_for_broker(settings.kafka, settings.start_timeout_s, settings.security)
         if not await _unless_stopped(broker, stopping):
@@ -673,10 +700,13 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             if done:
                 settings.drained = True
                 break
+    except BaseException:
+        raising = True
+        raise
     finally:
         if outputs is not None:
             try:
-                outputs.close()  # (the last OTLP push, which the line counts)
+                outputs.close(after_error=raising)  # (the last OTLP push, which the line counts)
             finally:
                 counted = tally.stats(aggs.values()), tally.future_by_node(aggs.values())
                 log.info("%s", report(settings, *counted, outputs.written, outputs.otlp))
@@ -708,6 +738,10 @@ async def _unless_stopped(work: Coroutine[Any, Any, None], stopping: asyncio.Eve
 class OutputError(Exception):
     """An output file cannot be written: nothing after its last commit is lost (a restart cuts
     it back and writes the windows again), but the service cannot go on; one line."""
+
+
+def cannot_write(where: str | Path, exc: OSError) -> OutputError:
+    return OutputError(f"cannot write {where}: {exc.strerror or exc}")
 
 
 class CheckpointUnavailable(Exception):

@@ -9,6 +9,7 @@ empty file (so also after a truncation back to 0).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
@@ -79,9 +80,17 @@ class FileSink:
         return self._size
 
     def close(self) -> None:
-        if not self._file.closed:
+        """Closed even when the flush fails (a full disk): the error is raised, and the buffer
+        it could not write is dropped (a restart cuts the file back to its last commit)."""
+        if self._file.closed:
+            return
+        try:
             self.flush()
-            self._file.close()
+        except OSError:
+            with contextlib.suppress(OSError):  # (its flush fails the same way)
+                self._file.close()
+            raise
+        self._file.close()
 
     def __enter__(self) -> Self:
         return self
