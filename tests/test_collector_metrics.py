@@ -22,6 +22,7 @@ from collector.node.metrics.families import VERSION
 from collector.node.nvml import NvmlSource
 from collector.node.service import Collector, CollectSettings
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice, new_cache_file
+from collector.transport.kafka import ProducerSettings
 
 GPU = "GPU-aaaaaaaa-bbbb-4ccc-8ddd-eeeeeeeeeeee"
 GPU_MIG = "GPU-bbbbbbbb-bbbb-4ccc-8ddd-eeeeeeeeeeee"
@@ -405,3 +406,63 @@ def test_health_before_the_first_scan_says_there_was_none() -> None:
     )
     scanned = Health(1, 0.0, 0, 0, 0, 0, 0, 0, seconds_since_scan=0.5)
     assert healthz(scanned, 30.0) == ("200 OK", "last scan 0.5 s ago\n")
+
+
+def test_health_says_what_the_kafka_forwarder_cannot_do() -> None:
+    """A spool the forwarder cannot read now is `degraded`, 200 (it retries by itself, as the
+    local log does); a forwarder that has stopped is 503: nothing leaves the node until a
+    restart (it said healthy)."""
+    from collector.node.metrics.families import Health
+    from collector.node.metrics.server import healthz
+
+    unreadable = Health(
+        1, 0.0, 0, 0, 0, 0, 0, 0, seconds_since_scan=0.5,
+        log_blocked="No space left on device", spool_unreadable="Too many open files",
+    )  # fmt: skip
+    assert healthz(unreadable, 30.0) == (
+        "200 OK",
+        "degraded: local log refuses events (No space left on device); kafka forwarder cannot "
+        "read the spool (Too many open files); last scan 0.5 s ago\n",
+    )
+    stopped = Health(
+        1, 0.0, 0, 0, 0, 0, 0, 0, seconds_since_scan=0.5, forwarder_stopped="ValueError('x')"
+    )
+    assert healthz(stopped, 30.0) == (
+        "503 Service Unavailable",
+        "kafka forwarder stopped (ValueError('x')): events stay spooled; last scan 0.5 s ago\n",
+    )
+
+
+async def test_a_forwarder_that_stopped_is_said_at_once_and_healthz_is_503(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error the forwarder does not know to wait out ends its task: it is logged when it
+    happens (it was logged at shutdown), /healthz is 503 while scans go on, and the shutdown
+    does not try to drain (it would fail the same way; the spool stays for the next start)."""
+    root = tmp_path / "containers"
+    root.mkdir()
+    collector = Collector(CollectSettings(root=root, node="n1", log_dir=tmp_path / "log",
+                                          interval_s=0.1, nvml=False, metrics_port=0,
+                                          kafka=ProducerSettings("127.0.0.1:9")))  # fmt: skip
+    assert collector.forwarder is not None
+
+    async def bug() -> int:
+        raise ValueError("x")
+
+    collector.forwarder.forward_once = bug  # type: ignore[method-assign]
+    task = asyncio.create_task(collector.run())
+    try:
+        while collector.scanner.stats.scans < 2 or collector.forwarder_stopped is None:
+            await asyncio.sleep(0.05)
+        assert collector.metrics is not None
+        status, _, body = await asyncio.to_thread(get, collector.metrics.port, "/healthz")
+        said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    finally:
+        collector.stopping.set()
+        await task
+    assert status == 503
+    assert body.startswith("kafka forwarder stopped (ValueError('x')): events stay spooled; last")
+    assert said == [
+        f"kafka forwarder stopped: events stay in the spool {tmp_path / 'log'} until a restart"
+    ]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == said

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from pathlib import Path
 
 import certifi
 import pytest
 from streams import consume_plain, create_topic
+from test_locallog import no_descriptor_left
 
 from collector.transport.kafka import FORWARDER_GROUP, KafkaForwarder, ProducerSettings
 from collector.transport.locallog import LocalLog, LogReader
@@ -132,3 +134,58 @@ def test_tls_files_that_go_bad_are_retried_until_fixed(tmp_path: Path) -> None:
     bad, fixed, refused = asyncio.run(run())
     assert (bad, fixed) == (False, False)
     assert refused.get("certificate", 0) >= 1
+
+
+def test_a_spool_that_cannot_be_read_for_a_while_is_waited_out(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Out of descriptors for a while (a real limit: EMFILE listing the spool): each failed
+    read is counted and retried, the episode is logged when it begins and when it ends, and
+    what was spooled meanwhile is sent. The error used to end the forwarder's task, silently
+    until shutdown, while the spool grew."""
+    spool = spool_of(tmp_path, [b"a"])
+
+    async def run() -> tuple[KafkaForwarder, str | None, bool]:
+        await create_topic(kafka_bootstrap, kafka_topic, partitions=1)
+        fwd = KafkaForwarder(ProducerSettings(kafka_bootstrap, topic=kafka_topic), spool, tmp_path)
+        stop = asyncio.Event()
+        task = asyncio.create_task(fwd.run(stop))
+        try:
+            async with asyncio.timeout(60):
+                while fwd.stats.sent < 1:
+                    await asyncio.sleep(0.05)
+                with no_descriptor_left():
+                    for v in (b"b", b"c"):
+                        spool.append(KEY, v, 1_700_000_000_100)
+                    spool.flush()
+                    fwd.wake()
+                    while fwd.stats.spool_read_errors < 2:  # (one retry)
+                        await asyncio.sleep(0.05)
+                    during, ended = fwd.spool_unreadable, task.done()
+                while fwd.depth():
+                    await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            fwd.wake()
+            await asyncio.wait({task}, timeout=10)
+            await fwd.drain(5)  # (and the producer stopped, whatever happened)
+        await task
+        return fwd, during, ended
+
+    with caplog.at_level(logging.INFO, logger="collector.transport.kafka"):
+        fwd, during, ended = asyncio.run(run())
+    assert (during, ended) == ("Too many open files", False)
+    assert on_topic(kafka_bootstrap, kafka_topic) == [b"a", b"b", b"c"]
+    assert (fwd.stats.sent, fwd.stats.spool_read_errors, fwd.spool_unreadable) == (3, 2, None)
+    assert LogReader(tmp_path).committed(FORWARDER_GROUP) == (3, "")
+    said = [r.getMessage() for r in caplog.records if r.name == "collector.transport.kafka"]
+    assert said[0] == (
+        f"kafka forwarder cannot read the spool {tmp_path} (Too many open files): events stay "
+        "spooled, retrying"
+    )
+    assert re.fullmatch(
+        r"kafka forwarder reads the spool again after \d+\.\d s: 2 failed reads "
+        r"\(Too many open files\)",
+        said[1],
+    ), said
+    assert len(said) == 2, said

@@ -1,13 +1,16 @@
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -333,6 +336,46 @@ def test_bound_smaller_than_a_segment_reclaims_the_active_one(tmp_path: Path) ->
         assert log.stats.reclaimed_bytes == 4 * FRAME
         assert log.stats.rejected_records == 1
     assert reader.read(4) == [record(4)]
+
+
+@contextlib.contextmanager
+def no_descriptor_left() -> Iterator[None]:
+    """The process may open no more files (RLIMIT_NOFILE at its lowest free descriptor): every
+    open, listing or socket fails with EMFILE until the limit is lifted."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    free = os.open(os.devnull, os.O_RDONLY)
+    os.close(free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (free, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_checkpoints_that_cannot_be_read_now_keep_everything(tmp_path: Path) -> None:
+    """The bound is reached while the process is out of descriptors: what the consumers still
+    need is not known, so nothing is deleted and the record is rejected and counted, saying
+    why (the EMFILE of listing the checkpoints escaped from append, and ended the collector's
+    scan loop). With descriptors again, room is made as before."""
+    reader = LogReader(tmp_path)
+    with LocalLog(tmp_path, segment_bytes=2 * FRAME, max_bytes=4 * FRAME) as log:
+        fill(log, 0, 4)
+        log.flush()
+        reader.commit("agg", 4)
+        with no_descriptor_left():
+            rejected = log.append(KEY, value(4), 1004)
+        assert rejected is None
+        assert log.blocked == (
+            f"size bound of {4 * FRAME} bytes reached "
+            "(consumer checkpoints unreadable: Too many open files)"
+        )
+        assert (log.stats.rejected_records, log.stats.reclaimed_bytes) == (1, 0)
+        assert segment_bases(tmp_path) == [0, 2]
+        assert log.append(KEY, value(5), 1005) == 4
+        assert log.blocked is None
+        assert (log.stats.blocked_episodes, log.stats.reclaimed_bytes) == (1, 2 * FRAME)
+        assert segment_bases(tmp_path) == [2, 4]
+    assert reader.read(2) == [record(2), record(3), LogRecord(4, 1005, KEY, value(5))]
 
 
 def test_corrupt_checkpoint_keeps_everything(tmp_path: Path) -> None:

@@ -132,6 +132,7 @@ class Collector:
             KafkaForwarder(settings.kafka, self.log, settings.log_dir) if settings.kafka else None
         )
         self.status = CollectorStatus()
+        self.forwarder_stopped: str | None = None  # what ended the forwarder's task
         self._last_scan = time.monotonic()
         self.stopping = asyncio.Event()
         self._key = settings.node.encode()
@@ -210,6 +211,9 @@ class Collector:
             spool_depth=self.spool_depth(),
             kafka_refused=dict(self.forwarder.stats.refused) if self.forwarder else {},
             kafka_too_large=self.forwarder.stats.too_large if self.forwarder else 0,
+            spool_read_errors=self.forwarder.stats.spool_read_errors if self.forwarder else 0,
+            spool_unreadable=self.forwarder.spool_unreadable if self.forwarder else None,
+            forwarder_stopped=self.forwarder_stopped,
             seconds_since_scan=time.monotonic() - self._last_scan,
             log_blocked=self.status.log_blocked,
             log_blocked_episodes=self.log.stats.blocked_episodes,
@@ -245,6 +249,8 @@ class Collector:
 
     async def run(self) -> None:
         forward = asyncio.create_task(self.forwarder.run(self.stopping)) if self.forwarder else None
+        if forward is not None:
+            forward.add_done_callback(self._forwarder_ended)
         watch = asyncio.create_task(self.podwatch.run()) if self.podwatch is not None else None
         if watch is not None:
             watch.add_done_callback(_watch_ended)
@@ -328,8 +334,21 @@ class Collector:
             with contextlib.suppress(asyncio.CancelledError):
                 await forward
         elif forward.exception() is not None:
-            log.error("kafka forwarder failed", exc_info=forward.exception())
+            return  # (said when it stopped; a drain would stop the same way: all stays spooled)
         await fwd.drain(max(0.0, deadline - time.monotonic()))
+
+    def _forwarder_ended(self, task: asyncio.Task[None]) -> None:
+        # run() waits out every failure it knows (a broker away, a spool it cannot read);
+        # anything else is a bug, said at once (not at shutdown) and on /healthz, for a
+        # restart to send what stays spooled.
+        if task.cancelled() or task.exception() is None:
+            return
+        self.forwarder_stopped = repr(task.exception())
+        log.error(
+            "kafka forwarder stopped: events stay in the spool %s until a restart",
+            self.settings.log_dir,
+            exc_info=task.exception(),
+        )
 
 
 def _watch_ended(task: asyncio.Task[None]) -> None:

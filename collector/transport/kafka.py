@@ -34,6 +34,8 @@ from .topics import TopicSpec, warn_on_mismatch
 log = logging.getLogger(__name__)
 
 FORWARDER_GROUP = "kafka-forwarder"
+# How long the forwarder waits before it reads a spool it could not read again.
+UNREADABLE_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class ForwarderStats:
     # Failures retrying cannot fix (credentials, certificates, ACLs), by kind: the collector
     # keeps its events spooled and retries, so that fixing the Secret or ACL is enough.
     refused: dict[str, int] = field(default_factory=dict)
+    # Reads of the spool that failed (out of descriptors, an I/O error): each retried.
+    spool_read_errors: int = 0
 
 
 class QuietRetries(logging.Filter):
@@ -191,12 +195,17 @@ class KafkaForwarder:
     def __init__(self, settings: ProducerSettings, spool: LocalLog, spool_dir: Path) -> None:
         self.settings = settings
         self.spool = spool
+        self.spool_dir = spool_dir
         self.reader = LogReader(spool_dir)
         self.stats = ForwarderStats()
         self.connected = False
         self._producer: AIOKafkaProducer | None = None
         self._wake = asyncio.Event()
         self._commit_failing = False
+        # Why the spool cannot be read now (an episode), and since when (monotonic).
+        self.spool_unreadable: str | None = None
+        self._unreadable_since = 0.0
+        self._errors_at_start = 0
         try:
             committed = self.reader.committed(FORWARDER_GROUP)
         except CorruptCheckpointError as exc:
@@ -345,18 +354,58 @@ class KafkaForwarder:
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
-            sent = await self.forward_once()
-            if sent == 0:
+            sent = await self._forward_or_count()
+            if self.spool_unreadable is not None:
+                # (not cut short by a wake: every scan wakes the forwarder)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), timeout=UNREADABLE_RETRY_S)
+            elif sent == 0:
                 self._wake.clear()
                 delay = 0.2 if self.connected else 1.0
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=delay)
 
+    async def _forward_or_count(self) -> int:
+        """`forward_once`, where a spool that cannot be read (out of descriptors for a while,
+        an I/O error) is an episode to wait out, not the end of forwarding: everything stays
+        spooled and the next try reads it from the same offset."""
+        try:
+            sent = await self.forward_once()
+        except OSError as exc:
+            self._unreadable(exc)
+            return 0
+        self._readable()
+        return sent
+
+    def _unreadable(self, exc: OSError) -> None:
+        self.stats.spool_read_errors += 1
+        reason = exc.strerror or str(exc)
+        if self.spool_unreadable is None:
+            self._unreadable_since = time.monotonic()
+            self._errors_at_start = self.stats.spool_read_errors - 1
+            log.error(
+                "kafka forwarder cannot read the spool %s (%s): events stay spooled, retrying",
+                self.spool_dir,
+                reason,
+            )
+        self.spool_unreadable = reason
+
+    def _readable(self) -> None:
+        if self.spool_unreadable is None:
+            return
+        log.warning(
+            "kafka forwarder reads the spool again after %.1f s: %d failed reads (%s)",
+            time.monotonic() - self._unreadable_since,
+            self.stats.spool_read_errors - self._errors_at_start,
+            self.spool_unreadable,
+        )
+        self.spool_unreadable = None
+
     async def drain(self, timeout_s: float) -> None:
         """On shutdown: send what can be sent within the timeout; the rest stays spooled."""
         try:
             async with asyncio.timeout(timeout_s):
-                while await self.forward_once():
+                while await self._forward_or_count():
                     pass
         except TimeoutError:
             log.warning("shutdown: %d records stay in the spool for the next start", self.depth())

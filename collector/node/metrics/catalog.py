@@ -159,6 +159,12 @@ OWN: tuple[Metric, ...] = (
         _get("kafka_too_large"),
     ),
     Metric(
+        "hami_usage_spool_read_errors_total", "counter", "errors", "health", (),
+        "failed reads of the spool by the Kafka forwarder (out of descriptors, an I/O error; "
+        "each retried, the events stay spooled)",
+        _get("spool_read_errors"),
+    ),
+    Metric(
         "hami_usage_kafka_refused_total", "counter", "refusals", "kafka", ("reason",),
         "times Kafka refused the collector, which retries: reason authentication (credentials), "
         "certificate (broker not trusted), tls (handshake refused), authorization (an ACL)",

@@ -47,6 +47,9 @@ class Health:
     log_blocked_episodes: int = 0
     log_write_errors: int = 0
     kafka_too_large: int = 0  # spooled events over the producer's max_request_size, skipped
+    spool_read_errors: int = 0  # the Kafka forwarder's failed reads of the spool (retried)
+    spool_unreadable: str | None = None  # why the forwarder cannot read the spool now
+    forwarder_stopped: str | None = None  # what ended the Kafka forwarder (a bug)
     clock_steps: int = 0  # steps of the wall clock absorbed (node/clock.py)
     clock_offset_ms: int = 0  # wall clock - event time as of the last step
     kube: KubeHealth | None = None  # None: the pod watch is off

@@ -2,7 +2,7 @@
 
 `/metrics` is prometheus_client's exposition of the registry (text format 0.0.4, or OpenMetrics
 when the scraper asks for it); `/healthz` answers 200 while scans keep happening, 503 when the
-last one is older than `stale_after_s`.
+last one is older than `stale_after_s` or the Kafka forwarder has stopped.
 """
 
 from __future__ import annotations
@@ -18,17 +18,27 @@ from .families import Health, Scrape, ScrapeCollector
 
 
 def healthz(health: Health, stale_after_s: float) -> tuple[str, str]:
-    """200 while scans keep happening, even while the local log refuses events: the
-    collector is degraded then, not dead (a restart would not free the disk), and says so."""
+    """200 while scans keep happening, even while the local log refuses events or the Kafka
+    forwarder cannot read the spool: the collector is degraded then, not dead (a restart
+    would not free the disk), and says so. A forwarder that has stopped is 503: nothing
+    spooled leaves the node until a restart."""
     fresh = health.scans > 0 and health.seconds_since_scan <= stale_after_s
-    status = "200 OK" if fresh else "503 Service Unavailable"
+    alive = health.forwarder_stopped is None
+    status = "200 OK" if fresh and alive else "503 Service Unavailable"
     body = (
         f"last scan {health.seconds_since_scan:.1f} s ago\n"
         if health.scans
         else f"no scan yet (started {health.seconds_since_scan:.1f} s ago)\n"
     )
+    degraded = []
     if health.log_blocked is not None:
-        body = f"degraded: local log refuses events ({health.log_blocked}); {body}"
+        degraded.append(f"local log refuses events ({health.log_blocked})")
+    if health.spool_unreadable is not None:
+        degraded.append(f"kafka forwarder cannot read the spool ({health.spool_unreadable})")
+    if degraded:
+        body = f"degraded: {'; '.join(degraded)}; {body}"
+    if not alive:
+        body = f"kafka forwarder stopped ({health.forwarder_stopped}): events stay spooled; {body}"
     return status, body
 
 

@@ -114,6 +114,7 @@ class LocalLog:
         self._blocked: str | None = None  # why appends are rejected, during an episode
         self.last_block: str | None = None  # why the last episode began
         self._need = 0  # frame bytes of the record the size bound rejected last, this episode
+        self._unread: str | None = None  # why the consumers' checkpoints could not be read
         self._last_retry = 0.0
         self._fd: int | None = None  # the newest segment; None until the disk let it be created
         directory.mkdir(parents=True, exist_ok=True)
@@ -283,7 +284,10 @@ class LocalLog:
         if self._total_bytes + need > self._max_bytes and not self._make_room(need):
             if n <= self._max_bytes:
                 self._need = need
-            self._reject(n, f"size bound of {self._max_bytes} bytes reached")
+            reason = f"size bound of {self._max_bytes} bytes reached"
+            if self._unread is not None:
+                reason += f" (consumer checkpoints unreadable: {self._unread})"
+            self._reject(n, reason)
             return None
         self._need = 0
         try:
@@ -395,17 +399,19 @@ class LocalLog:
 
         A checkpoint beyond what this writer has handed to the OS cannot be the result of
         reading this log (it is stale, e.g. from a log that used to live here), so it only
-        counts up to there. An unreadable checkpoint keeps everything.
+        counts up to there. An unreadable checkpoint keeps everything, and so do checkpoints
+        that cannot be read now (out of descriptors, an I/O error).
         """
-        lowest: int | None = None
-        for _, path in self._consumers():
-            try:
-                checkpoint = load_checkpoint(path)
-            except CorruptCheckpointError:
-                return self.first_offset
-            if checkpoint is not None and (lowest is None or checkpoint.offset < lowest):
-                lowest = checkpoint.offset
-        return None if lowest is None else min(lowest, self._written_offset)
+        self._unread = None
+        try:
+            checkpoints = [load_checkpoint(path) for _, path in self._consumers()]
+        except CorruptCheckpointError:
+            return self.first_offset
+        except OSError as exc:
+            self._unread = _describe(exc)
+            return self.first_offset
+        offsets = [c.offset for c in checkpoints if c is not None]
+        return min(min(offsets), self._written_offset) if offsets else None
 
     def _consumers(self) -> list[tuple[str, Path]]:
         """(group, checkpoint file) of every consumer that committed, by group name."""
@@ -449,6 +455,7 @@ class LocalLog:
 
     def _make_room(self, n: int) -> bool:
         """Delete segments every consumer is done with until `n` more bytes fit the bound."""
+        self._unread = None  # (said only of this attempt)
         if n > self._max_bytes:
             return False
         retain = self.retain_from()
