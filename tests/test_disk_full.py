@@ -10,6 +10,7 @@ commit.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import re
@@ -31,6 +32,8 @@ from streams import (
     WINDOW_FLAGS,
     Spec,
     build,
+    consume_plain,
+    create_topic,
     csv_lines,
     env,
     read_csv,
@@ -213,6 +216,33 @@ def test_collector_rides_out_a_full_disk(tmp_path: Path, sim: NodeSimulator) -> 
         assert missing > 0
         # The last heartbeat was stamped before the last events: it counts at most as many.
         assert 0 < beats[-1].dropped <= missing
+
+
+@pytest.mark.kafka
+def test_events_lost_at_a_stop_on_a_full_disk_are_not_left_in_the_spool(
+    tmp_path: Path, sim: NodeSimulator, kafka_bootstrap: str, kafka_topic: str
+) -> None:
+    """With Kafka, stopped while the disk is full: the events the log accepted into its
+    buffer and could never write are lost, said so and counted dropped, and the stop line
+    does not count them again as left in the spool (it did): everything written was sent."""
+    asyncio.run(create_topic(kafka_bootstrap, kafka_topic, 1))
+    with full_disk(tmp_path / "disk") as disk:
+        cmd = collect_cmd(sim.root, disk.directory / "spool")
+        p = Proc([*cmd, "--kafka", kafka_bootstrap, "--topic", kafka_topic], tmp_path / "err")
+        disk.attach(p.proc.pid)
+        port = p.port()
+        wait_until("appending", lambda: metric(port, "hami_usage_events_total") > 50, p)
+        disk.fill()
+        wait_until("blocked", lambda: metric(port, "hami_usage_log_blocked") == 1, p)
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(30) == 0, p.stderr()
+        err = p.stderr()
+    sent = asyncio.run(consume_plain(kafka_topic, bootstrap_servers=kafka_bootstrap))
+    lost = re.search(r": (\d+) accepted events could not be written \((.+)\) and are lost", err)
+    stop = re.search(r"collector stopped: (\d+) events appended, \d+ dropped, (\d+) left", err)
+    assert lost is not None and stop is not None, err
+    assert int(lost[1]) >= 1 and lost[2] == disk.strerror
+    assert (int(stop[1]), int(stop[2])) == (len(sent), 0)
 
 
 def test_log_size_bound_is_the_same_condition(tmp_path: Path) -> None:

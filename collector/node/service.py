@@ -315,11 +315,14 @@ class Collector:
                     self.log.stats.unwritten_records,
                     self.log.blocked,
                 )
+            lost = self.log.stats.unwritten_records
             log.info(
                 "collector stopped: %d events appended, %d dropped, %d left in the spool",
-                self.status.appended - self.log.stats.unwritten_records,  # (counted once)
-                self.status.dropped + self.log.stats.unwritten_records,
-                self.spool_depth(),
+                self.status.appended - lost,  # (counted once)
+                self.status.dropped + lost,
+                # (the depth counts what the log accepted, held in memory until the disk took
+                # it: those never reached the spool)
+                max(0, self.spool_depth() - lost),
             )
 
     async def _stop_forwarder(self, forward: asyncio.Task[None], fwd: KafkaForwarder) -> None:
