@@ -19,6 +19,8 @@ What a consumer (aggregate, replay, demo) can tell about its input besides the e
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..events import Event, Heartbeat
@@ -92,6 +94,20 @@ class DamageReport:
             self.seq_gaps -= 1
             self.seq_missing -= head[1]
             del self._heads[(source, node)]
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Events seen inside were seen and counted before (read again by the same process):
+        the gaps they count are taken back; their seqs stay seen."""
+        before = (self.seq_gaps, self.seq_missing)
+        # The head gaps stand for counted gaps: one counted inside is taken back with it, and
+        # one taken back inside (its incarnation seen alongside) is counted again.
+        heads = dict(self._heads)
+        try:
+            yield
+        finally:
+            self.seq_gaps, self.seq_missing = before
+            self._heads = heads
 
     def forget_source(self, source: int) -> None:
         """`source` is read from a new position (a partition assigned again: what lies between

@@ -41,16 +41,12 @@ class InputStats:
     def uncounted(self) -> Iterator[None]:
         """Records read inside were counted before (read again from a checkpoint by the same
         process): what they count here is taken back; the seqs they show are still seen."""
-        damage = self.damage
-        before = (self.undecodable, self.unknown_schema, damage.seq_gaps, damage.seq_missing)
-        # The head gaps stand for counted gaps: one counted inside is taken back with it, and
-        # one taken back inside (its incarnation seen alongside) is counted again.
-        heads = dict(damage._heads)
+        before = (self.undecodable, self.unknown_schema)
         try:
-            yield
+            with self.damage.uncounted():
+                yield
         finally:
-            self.undecodable, self.unknown_schema, damage.seq_gaps, damage.seq_missing = before
-            damage._heads = heads
+            self.undecodable, self.unknown_schema = before
 
 
 def add_record(
