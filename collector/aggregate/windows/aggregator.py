@@ -81,6 +81,7 @@ class Aggregator:
             settings.max_skew_ms,
             settings.idle_after_ms,
             settings.max_gap_ms + settings.lateness_ms + settings.window_ms,
+            settings.lateness_ms,
         )
         self._arrival = 0
         # A pod's identity outlives its last restatement as long as a container's name does.
@@ -221,7 +222,7 @@ class Aggregator:
         # yet or not: when `advance()` ran (each batch live, every few hundred records in a
         # replay) must not decide it, or a replay would bill a late event as the live run did
         # not. Asking every source is only needed for an event behind its node's newest.
-        bound = progress.event(source, node, ts, record_ts_ms)
+        bound = progress.event(source, node, ts, record_ts_ms, offset)
         closed = self._closed
         if ts >= bound - self._lateness and (closed is None or ts >= closed):
             return ts
@@ -393,6 +394,7 @@ class Aggregator:
         # retired on the same terms.
         self._guard.forget(self._incs.prune(live_incs, horizon))
         self._inv.prune(closed)
+        self._progress.forget(closed)
 
     # --- checkpoints and gauges ----------------------------------------------------------
 
@@ -404,6 +406,7 @@ class Aggregator:
             for source, offset in kept.items():
                 if source in need and offset < need[source]:
                     need[source] = offset
+        self._progress.held_back(need)  # last: it must see every lowering
         return need
 
     def gauges(self) -> list[Gauge]:

@@ -7,7 +7,9 @@ keys a heartbeat no longer states) of the last `max_gap_ms` before the closed en
 late or redelivered event is judged: without them a restarted instance would let an exit
 delivered before an older heartbeat, or a duplicate whose original lies before the restart
 offset, revive what had ended. The pod identities and GPU inventory statements an open window
-can still use are added by `Aggregator.needed_offsets` (`identity`, `inventory`). A new
+can still use are added by `Aggregator.needed_offsets` (`identity`, `inventory`), and last the
+silences of nodes that held their source back (`Progress.held_back`: without them the restart's
+progress would pass such a node's, and its spool, drained later, would be late). A new
 `Aggregator(emitted_until_ms=E)` fed from those offsets recomputes the windows ending at or
 before E and suppresses them. One node's events are assumed to stay in one source (the node is
 the Kafka key). Late events are classified against what the input read before them lets

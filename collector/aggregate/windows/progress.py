@@ -24,6 +24,15 @@ The watermark never goes back: before a node joins (or rejoins) and lowers the m
 progress so far is kept. So the watermark is a function of the input read so far, whatever
 the batching, and nothing depends on when `advance()` is called for input within the lateness.
 
+Restarts: a restart reads again from `needed_offsets()` with no progress of its own, and knows a
+node only once it reads an event of it. A node silent there (its collector's spool filling while
+the others' events move on) held this run back, but would not hold the restart back: the
+restart would close windows this run kept open for it, and bill its spool, drained later, as
+late. So each node remembers the silences it held its source back through, and the restart
+offset is moved out of them (`held_back`): a silence lasts at most `idle_ms` of record time (an
+idle node holds nothing back), and one that ended more than `max_skew_ms` + `idle_extra_ms` -
+`lateness_ms` of record time before the closed end is forgotten (`forget`).
+
 Future events: with `record_ts_ms` (the transport's record time) given, an event whose ts is more
 than `max_skew_ms` after it is dropped and counted in `stats.future_events` (and per node). It
 only ever counts against its own node: it is never part of any node's progress. It is a
@@ -38,14 +47,22 @@ __all__ = ["Progress"]
 
 
 class _Node:
-    """One node's progress in a source: newest event ts, newest record ts, active or idle."""
+    """One node's progress in a source: newest event ts, newest record ts, active or idle; and,
+    for restarts, its last event and its silences (see `Progress.held_back`)."""
 
-    __slots__ = ("active", "rec", "top")
+    __slots__ = ("active", "last", "rec", "silences", "src_rec", "top")
 
-    def __init__(self, top: int, rec: int) -> None:
+    def __init__(self, top: int, rec: int, last: int, src_rec: int) -> None:
         self.top = top
         self.rec = rec
         self.active = True
+        self.last = last  # offset of its last event that counted (-1: not read from a source)
+        self.src_rec = src_rec  # the source's record time at that event
+        # (offset of its last event before, first offset read after, the source's record
+        # time then): the silences it held the source back through, while the source's
+        # record time moved on by more than the lateness; each ends with its next event or
+        # when it turned idle
+        self.silences: list[tuple[int, int, int]] = []
 
 
 class _Source:
@@ -80,11 +97,18 @@ class _Source:
 class Progress:
     """Per source: the offset after the last one added, and each node's progress."""
 
-    __slots__ = ("_idle", "_idle_extra", "_skew", "_src", "future_by_node")
+    __slots__ = ("_idle", "_idle_extra", "_quiet", "_reach", "_skew", "_src", "future_by_node")
 
-    def __init__(self, max_skew_ms: int, idle_ms: int, idle_extra_ms: int) -> None:
+    def __init__(
+        self, max_skew_ms: int, idle_ms: int, idle_extra_ms: int, lateness_ms: int
+    ) -> None:
         self._skew = max_skew_ms
         self._idle = idle_ms
+        self._quiet = lateness_ms
+        # A silence that ended at source record time R can still matter to a restart while a
+        # restart's progress before R could pass the closed end: that progress is at most R +
+        # max_skew + idle_extra (an all-idle source), and closes windows `lateness` behind.
+        self._reach = max_skew_ms + idle_extra_ms - lateness_ms
         # How far past the newest event an all-idle source's progress goes: far enough that
         # every value reaches its cap and the window holding it closes.
         self._idle_extra = idle_extra_ms
@@ -105,7 +129,7 @@ class Progress:
             return True
         return False
 
-    def event(self, source: int, node: str, ts: int, record_ts_ms: int | None) -> int:
+    def event(self, source: int, node: str, ts: int, record_ts_ms: int | None, offset: int) -> int:
         """An event that counts (after `offset()` for its record). Returns a bound the
         watermark's top is at or below now (the node is active, so its source's progress is
         at most its newest ts, or the progress kept when it joined): an event at or above it
@@ -120,15 +144,20 @@ class Progress:
         if rec > s.rec:
             s.rec = rec
             if rec >= s.next_idle:
-                self._turn_idle(s, rec)
+                self._turn_idle(s, rec, offset)
         n = s.nodes.get(node)
+        if n is not None and n.active and offset >= 0 <= n.last and s.rec - n.src_rec > self._quiet:
+            n.silences.append((n.last, offset, s.rec))  # it held the source back through it
         if n is None or not n.active:
             # Joining lowers the minimum: keep what the others had reached first.
             s.floor = s.top(self._idle_extra, self._skew)
             if n is None:
-                n = s.nodes[node] = _Node(ts, rec)
+                n = s.nodes[node] = _Node(ts, rec, offset, s.rec)
             else:
                 n.active = True
+        if offset >= 0:
+            n.last = offset
+            n.src_rec = s.rec
         if ts > s.newest:
             s.newest = ts
         if ts > n.top:
@@ -144,15 +173,19 @@ class Progress:
         longer than the idle time turn idle, exactly as at the source's next record."""
         for s in self._src.values():
             if now_ms >= s.next_idle:
-                self._turn_idle(s, now_ms)
+                self._turn_idle(s, now_ms, s.next_offset)
 
-    def _turn_idle(self, s: _Source, rec: int) -> None:
+    def _turn_idle(self, s: _Source, rec: int, offset: int) -> None:
+        """Nodes silent for `idle_ms` of record time `rec` turn idle; `offset`: the first
+        offset read with them idle."""
         idle = self._idle
         nxt = NEVER
         for n in s.nodes.values():
             if n.active:
                 if n.rec + idle <= rec:
                     n.active = False
+                    if n.last >= 0:
+                        n.silences.append((n.last, offset, rec))
                 elif n.rec + idle < nxt:
                     nxt = n.rec + idle
         s.next_idle = nxt
@@ -172,6 +205,43 @@ class Progress:
     def now(self, source: int) -> int:
         """The largest event ts of `source`."""
         return self._src[source].newest
+
+    def held_back(self, need: dict[int, int]) -> None:
+        """Lower each source's restart offset in `need` out of every silence of a node that
+        held the source back through it, to that node's last event before: so the restart
+        knows the node there and is held back by it as this run was. Otherwise the restart's
+        progress would pass the node's, and close windows this run kept open for it: the
+        node's events read after (a spool drained after an outage, with its old times) would
+        be late there and in time here. A silence counts when the source's record time moved
+        on by more than the lateness during it (a node that sends every second is known again
+        a second into the restart). Lowering the offset can put it inside another silence:
+        repeated until it is in none."""
+        for source, s in self._src.items():
+            r = need.get(source)
+            if r is None:
+                continue
+            spans: list[tuple[int, int, int]] = []
+            for n in s.nodes.values():
+                spans += n.silences
+                if n.active and n.last >= 0 and s.rec - n.src_rec > self._quiet:
+                    spans.append((n.last, NEVER, NEVER))  # silent now
+            lowered = True
+            while lowered:
+                lowered = False
+                for first, end, _ in spans:
+                    if first < r < end:
+                        r = first
+                        lowered = True
+            need[source] = r
+
+    def forget(self, closed: int) -> None:
+        """Forget the silences no restart needs any more: those that ended before a restart's
+        progress could pass `closed`, the end of the windows closed."""
+        reach = self._reach
+        for s in self._src.values():
+            for n in s.nodes.values():
+                if n.silences:
+                    n.silences = [x for x in n.silences if x[2] + reach > closed]
 
     def next_offsets(self) -> dict[int, int]:
         """Per source, sorted: the offset after the last one added."""
