@@ -22,7 +22,10 @@ from collector.aggregate.service import (
     merge_checkpoints,
     run_local,
 )
+from collector.aggregate.windows import Aggregator
 from collector.transport.locallog import LogReader
+
+AT_T0 = Aggregator(WINDOW, emitted_until_ms=T0_MS)  # what its commits are of
 
 
 def record_ids(path: Path) -> list[str]:
@@ -71,7 +74,7 @@ def test_the_parquet_part_count_survives_a_merge_with_older_commits(tmp_path: Pa
     before = Checkpoint(0, 0, 0, {"0": [0, 0], "1": [0, 0]})  # replica 0 without Parquet
     out = Outputs.open(str(tmp_path / "0.csv"), None, None, before, "0", str(parts))
     out.write(records[:50])
-    own = out.checkpoint(T0_MS)
+    own = out.checkpoint(AT_T0)
     out.write(records[50:])  # written, then a crash before its commit
     out.close_files()
     other = Checkpoint(T0_MS, 0, 0, {"0": [0, 0], "1": [500, 0]})
@@ -94,15 +97,15 @@ def test_an_output_left_out_of_a_run_keeps_what_was_committed_for_it(tmp_path: P
     csv_path, parts = tmp_path / "0.csv", tmp_path / "pq"
     out = Outputs.open(str(csv_path), None, None, None, "0", str(parts))
     out.write(records[:10])
-    stale = out.checkpoint(T0_MS)  # what another replica goes on carrying for replica 0
+    stale = out.checkpoint(AT_T0)  # what another replica goes on carrying for replica 0
     for i in range(1, 5):
         out.write(records[i * 10 : i * 10 + 10])
-    first = out.checkpoint(T0_MS)
+    first = out.checkpoint(AT_T0)
     out.close_files()
     size = csv_path.stat().st_size
     assert first.replicas["0"] == [size, -1, 5]  # -1: no JSONL ever written
     without = Outputs.open(None, None, None, first, "0", None)  # neither CSV nor Parquet
-    second = without.checkpoint(T0_MS)
+    second = without.checkpoint(AT_T0)
     assert second.replicas["0"] == [size, -1, 5]
     merged = merge_checkpoints([second, stale])
     assert merged is not None and merged.replicas["0"] == [size, -1, 5]
@@ -110,7 +113,7 @@ def test_an_output_left_out_of_a_run_keeps_what_was_committed_for_it(tmp_path: P
     assert csv_path.stat().st_size == size
     assert len(list(parts.rglob("*.parquet"))) == 5
     assert again.first_start  # the JSONL's length is committed at once
-    assert again.checkpoint(T0_MS).replicas["0"] == [size, 0, 5]
+    assert again.checkpoint(AT_T0).replicas["0"] == [size, 0, 5]
     again.close_files()
 
 

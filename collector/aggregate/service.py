@@ -40,7 +40,7 @@ from .billing import Format, billing_message
 from .damage import CheckpointError, DamageReport
 from .health import HealthServer, Liveness
 from .intake import InputStats, add_record
-from .records import BillingRecord, record_order
+from .records import BillingRecord, iso_utc, record_order
 from .sinks import CsvSink, JsonlSink
 from .tally import Tally
 from .windows import AggregateStats, Aggregator, WindowSettings
@@ -69,6 +69,7 @@ class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
     csv_bytes: int = 0
     jsonl_bytes: int = 0
     replicas: dict[str, list[int]] = {}
+    window_ms: int = 0  # the window size of the records emitted (0: not recorded)
 
     def lengths_of(self, instance: str) -> tuple[int | None, int | None] | None:
         """The committed file lengths of replica `instance` (None for a file it never wrote);
@@ -107,6 +108,22 @@ def parse_checkpoint(text: str | None, where: str = "checkpoint") -> Checkpoint:
         raise CheckpointError(f"{where}: unreadable metadata {text[:80]!r}") from None
 
 
+def check_window(checkpoint: Checkpoint, window_ms: int, where: str) -> None:
+    """CheckpointError when this run's windows would overlap the windows already emitted: the
+    first one ending past the emitted end would bill again what the windows up to that end
+    billed. A new size whose windows have a boundary at that end (60 s after 300 s; 300 s
+    after 60 s when the end is on the hour's 5-minute marks) takes over from it exactly."""
+    old, end = checkpoint.window_ms, checkpoint.emitted_until_ms
+    if old in (0, window_ms) or end % window_ms == 0:
+        return
+    start = end - end % window_ms
+    raise CheckpointError(
+        f"{where} was written with {old / 1000:g} s windows, emitted up to {iso_utc(end)}; "
+        f"--window {window_ms / 1000:g} would bill {iso_utc(start)} to {iso_utc(end)} again: "
+        f"keep --window {old / 1000:g}, or start the new size in a new --group"
+    )
+
+
 def _longest(a: list[int] | None, b: list[int]) -> list[int]:
     """Position by position the larger; a position only one list has (the Parquet part count
     of a replica that added `parquet` since the other was committed) is kept."""
@@ -137,6 +154,7 @@ def merge_checkpoints(checkpoints: Iterable[Checkpoint]) -> Checkpoint | None:
             max(merged.csv_bytes, cp.csv_bytes),
             max(merged.jsonl_bytes, cp.jsonl_bytes),
             replicas,
+            cp.window_ms or merged.window_ms,
         )
     return merged
 
@@ -246,9 +264,10 @@ class Outputs:
         self.otlp.set_gauges([g for agg in aggregators for g in agg.gauges()])
         self.otlp.push()
 
-    def checkpoint(self, emitted_until_ms: int) -> Checkpoint:
-        """The commit metadata: this replica's lengths now, an output not open in this run
-        keeping the value last committed for it (NEVER_WRITTEN if none)."""
+    def checkpoint(self, agg: Aggregator) -> Checkpoint:
+        """The commit metadata of `agg`: its emitted end and window size, this replica's
+        lengths now, an output not open in this run keeping the value last committed for it
+        (NEVER_WRITTEN if none)."""
         was = self.replicas.get(self.instance, [])
         mine = [
             sink.tell() if sink is not None else was[i] if i < len(was) else NEVER_WRITTEN
@@ -257,7 +276,13 @@ class Outputs:
         if self.parquet is None and len(was) < 3:
             del mine[2]  # (never written with --parquet: no part count)
         self.replicas[self.instance] = mine
-        return Checkpoint(emitted_until_ms, max(mine[0], 0), max(mine[1], 0), dict(self.replicas))
+        return Checkpoint(
+            agg.emitted_until_ms,
+            max(mine[0], 0),
+            max(mine[1], 0),
+            dict(self.replicas),
+            agg.settings.window_ms,
+        )
 
     def close(self, after_error: bool = False) -> None:
         """A file that cannot be closed (a full disk refused its buffer) is OutputError, unless
@@ -428,6 +453,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     committed = open_checkpoint(reader, settings.group, settings.log_dir)
     position, meta = committed if committed else (0, "")
     resume = parse_checkpoint(meta, f"checkpoint of group {settings.group}")
+    check_window(resume, settings.window.window_ms, f"checkpoint of group {settings.group}")
     damage = settings.stats.damage
     watch = DamageWatch(damage, settings.window.max_skew_ms)
     agg = Aggregator(settings.window, emitted_until_ms=resume.emitted_until_ms)
@@ -446,7 +472,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             # the first window closes cuts back to here rather than appending twice.
             # (the group's last emitted window stays: a replica's first start is not the group's)
             outputs.write([])  # the new files' headers on disk before their lengths are committed
-            meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
+            meta = msgspec.json.encode(outputs.checkpoint(agg)).decode()
             commit_local(reader, settings, position, meta)
         last_commit = time.monotonic()
         while not stopping.is_set():
@@ -479,7 +505,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             if records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S:
                 outputs.write(records)
                 needed = agg.needed_offsets().get(0, position)
-                meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
+                meta = msgspec.json.encode(outputs.checkpoint(agg)).decode()
                 commit_local(reader, settings, needed, meta)
                 outputs.export(records, [agg])
                 last_commit = time.monotonic()
@@ -585,6 +611,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 try:
                     where = f"checkpoint of group {settings.group} partition {tp.partition}"
                     meta = parse_checkpoint(om.metadata if om is not None else None, where)
+                    check_window(meta, settings.window.window_ms, where)
                 except CheckpointError as exc:
                     failed.append(exc)
                     return
@@ -603,7 +630,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             outputs.write(records)
             offsets = {}
             for tp, agg in aggs.items():
-                meta = msgspec.json.encode(outputs.checkpoint(agg.emitted_until_ms)).decode()
+                meta = msgspec.json.encode(outputs.checkpoint(agg)).decode()
                 needed = agg.needed_offsets().get(tp.partition, positions[tp])
                 offsets[tp] = OffsetAndMetadata(needed, meta)
             await producer.begin_transaction()
