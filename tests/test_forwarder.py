@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from pathlib import Path
 
 import certifi
@@ -33,13 +34,20 @@ def spool_of(directory: Path, values: list[bytes]) -> LocalLog:
 
 
 def forward(
-    spool: LocalLog, directory: Path, bootstrap: str, topic: str, compression: str = "gzip"
+    spool: LocalLog,
+    directory: Path,
+    bootstrap: str,
+    topic: str,
+    compression: str = "gzip",
+    batch_records: int = 1000,
 ) -> KafkaForwarder:
     """A forwarder of `spool` sending until the spool is drained (at most 60 s)."""
 
     async def run() -> KafkaForwarder:
         await create_topic(bootstrap, topic, partitions=1)
-        settings = ProducerSettings(bootstrap, topic=topic, compression=compression)
+        settings = ProducerSettings(
+            bootstrap, topic=topic, compression=compression, batch_records=batch_records
+        )
         fwd = KafkaForwarder(settings, spool, directory)
         try:
             async with asyncio.timeout(60):
@@ -72,6 +80,54 @@ def test_an_event_too_large_for_kafka_is_skipped_and_counted(
     assert [r.getMessage() for r in caplog.records] == [
         f"spooled event at offset 1 is {len(huge)} bytes, more than a Kafka request may carry "
         "(max_request_size): skipped"
+    ]
+
+
+def test_each_record_carries_its_events_time_not_the_send_time(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topic: str
+) -> None:
+    """The aggregator refuses an event more than max_skew after its record time. The Kafka
+    client stamps the send time unless told otherwise: after the node's clock stepped back
+    600 s, every event (whose time does not step back) was refused as from the future."""
+    now = int(time.time() * 1000)
+    times = [now - 2 * 86_400_000, now - 1, now + 600_000, now + 50 * 60_000]
+    spool = LocalLog(tmp_path)
+    for i, ts in enumerate(times):
+        spool.append(KEY, b"e%d" % i, ts)
+    fwd = forward(spool, tmp_path, kafka_bootstrap, kafka_topic)
+    got = asyncio.run(consume_plain(kafka_topic, bootstrap_servers=kafka_bootstrap))
+    assert [(m.value, m.timestamp, m.timestamp_type) for m in got] == [
+        (b"e%d" % i, ts, 0)
+        for i, ts in enumerate(times)  # 0: CreateTime, the producer's
+    ]
+    assert (fwd.stats.sent, fwd.stats.unstamped) == (4, 0)
+
+
+def test_a_time_the_broker_refuses_goes_with_the_send_time(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two hours ahead of the broker's clock is past message.timestamp.after.max.ms (an hour
+    by default): refused, and sent as it is it would be refused for ever, holding up
+    everything spooled after it. It goes with the send time (the aggregator then refuses it as
+    a future event, counted per node); the events around it keep their own times."""
+    now = int(time.time() * 1000)
+    times = [now - 1000, now + 2 * 3_600_000, now + 1000]
+    spool = LocalLog(tmp_path)
+    for i, ts in enumerate(times):
+        spool.append(KEY, b"e%d" % i, ts)
+    with caplog.at_level(logging.WARNING, logger="collector.transport.kafka"):
+        fwd = forward(spool, tmp_path, kafka_bootstrap, kafka_topic, batch_records=1)
+    after = int(time.time() * 1000)
+    got = asyncio.run(consume_plain(kafka_topic, bootstrap_servers=kafka_bootstrap))
+    assert [m.value for m in got] == [b"e0", b"e1", b"e2"]
+    assert (got[0].timestamp, got[2].timestamp) == (times[0], times[2])
+    assert now <= got[1].timestamp <= after  # sent with the send time
+    assert (fwd.stats.sent, fwd.stats.unstamped, fwd.stats.send_failures) == (3, 1, 1)
+    assert [r.getMessage() for r in caplog.records if "own times" in r.getMessage()] == [
+        "kafka refused the events' own times (more than the topic's "
+        "message.timestamp.after.max.ms ahead of the broker's clock: the node's clock stepped "
+        "back?); spool offsets 1 to 1 are sent stamped with the send time, and the aggregator "
+        "refuses those as future events"
     ]
 
 

@@ -8,6 +8,7 @@ runs, the way NTP steps a clock. The monotonic clock is left alone, as the kerne
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 import shutil
@@ -18,8 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lifecycle import SETTINGS
-from streams import msg, reference
+import pytest
+from lifecycle import SETTINGS, SETTINGS_FLAGS
+from streams import consume_plain, create_topic, msg, read_billing, reference, sort_key
 
 from collector.events import (
     ContainerAppeared,
@@ -61,6 +63,18 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def faked(stamp: Path) -> dict[str, str]:
+    """The environment of a process whose wall clock is `stamp`'s offset (now +0)."""
+    stamp.write_text("+0\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_USAGE_")}
+    return env | {
+        "LD_PRELOAD": libfaketime(),
+        "FAKETIME_TIMESTAMP_FILE": str(stamp),
+        "FAKETIME_NO_CACHE": "1",  # read the file on every call: the step takes effect at once
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+
+
 def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
     root, log, stamp = tmp_path / "containers", tmp_path / "log", tmp_path / "faketime"
     folder = root / f"{POD}_main"
@@ -68,14 +82,7 @@ def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
     w = CacheWriter(folder / "0.cache", V12, [SimDevice("GPU-0000000f-1111-4000-8000-0", 8 * GiB)])
     w.add_process(1, 4001)
     w.add_memory(1, 0, "data", 2 * GiB)
-    stamp.write_text("+0\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_USAGE_")}
-    env |= {
-        "LD_PRELOAD": libfaketime(),
-        "FAKETIME_TIMESTAMP_FILE": str(stamp),
-        "FAKETIME_NO_CACHE": "1",  # read the file on every call: the step takes effect at once
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-    }
+    env = faked(stamp)
     cmd = [
         str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(log), "--node", "n1",
         "--interval", "0.2", "--heartbeat", "1", "--no-nvml",
@@ -144,3 +151,70 @@ def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
     records = reference([msg("n1", e) for e in events], SETTINGS)
     billed_byte_ms = sum(round(r.memory_byte_seconds * 1000) for r in records if r.pod_uid == POD)
     assert billed_byte_ms == 2 * GiB * (exited.ts - appeared.ts)
+
+
+@pytest.mark.kafka
+def test_a_step_back_past_max_skew_loses_nothing_on_kafka(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topic: str
+) -> None:
+    """Stepped back 600 s (the aggregator's max_skew is 300 s): each record carries its event's
+    time, so nothing after the step is refused as from the future, and the topic bills what
+    the collector's own spool says. With the send time as the record time (the Kafka client's
+    default) every event after the step was refused: 7 of 13 in the first reproduction."""
+    root, log, stamp = tmp_path / "containers", tmp_path / "log", tmp_path / "faketime"
+    folder = root / f"{POD}_main"
+    folder.mkdir(parents=True)
+    w = CacheWriter(folder / "0.cache", V12, [SimDevice("GPU-0000000f-1111-4000-8000-0", 8 * GiB)])
+    w.add_process(1, 4001)
+    w.add_memory(1, 0, "data", 2 * GiB)
+    env = faked(stamp)
+    asyncio.run(create_topic(kafka_bootstrap, kafka_topic, 1))
+    cmd = [
+        str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(log), "--node", "n1",
+        "--interval", "0.2", "--heartbeat", "1", "--no-nvml", "--no-kubernetes",
+        "--kafka", kafka_bootstrap, "--topic", kafka_topic,
+    ]  # fmt: skip
+    err = tmp_path / "collect.err"
+    with err.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
+    try:
+        wait_until(lambda: log.exists() and len(events_of(log)) >= 3, 60, "the first events")
+        stamp.write_text("-600s\n")
+        wait_until(
+            lambda: any(isinstance(e, LayoutAnomaly) for e in events_of(log)), 30, "the step"
+        )
+        w.exit(1)
+        time.sleep(1.0)
+        w.close()
+        shutil.rmtree(folder)
+        wait_until(
+            lambda: any(isinstance(e, ContainerGone) for e in events_of(log)), 30, "the gone event"
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    spooled = events_of(log)
+    got = asyncio.run(consume_plain(kafka_topic, bootstrap_servers=kafka_bootstrap))
+    assert [decode(m.value) for m in got] == spooled  # everything, once, in order
+    assert [m.timestamp for m in got] == [e.ts for e in spooled]
+    (step,) = [e for e in spooled if isinstance(e, LayoutAnomaly) and e.anomaly == "clock_step"]
+    assert step.value is not None and -601_000 <= step.value <= -599_000
+    assert any(isinstance(e, ProcessExited) and e.ts > step.ts for e in spooled)
+    drained = subprocess.run(
+        [
+            str(HAMI_USAGE), "aggregate", "--kafka", kafka_bootstrap, "--topic", kafka_topic,
+            "--billing-topic", f"{kafka_topic}.billing", "--group", f"{kafka_topic}.g",
+            *SETTINGS_FLAGS, "--drain",
+            "--csv", str(tmp_path / "bill.csv"),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert drained.returncode == 0, drained.stderr
+    assert "future_events" not in drained.stderr, drained.stderr
+    billed = asyncio.run(read_billing(kafka_bootstrap, f"{kafka_topic}.billing"))
+    expected = reference([msg("n1", e) for e in spooled], SETTINGS)
+    assert sorted(billed, key=sort_key) == sorted(expected, key=sort_key)

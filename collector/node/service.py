@@ -212,6 +212,7 @@ class Collector:
             kafka_refused=dict(self.forwarder.stats.refused) if self.forwarder else {},
             kafka_too_large=self.forwarder.stats.too_large if self.forwarder else 0,
             spool_read_errors=self.forwarder.stats.spool_read_errors if self.forwarder else 0,
+            kafka_unstamped=self.forwarder.stats.unstamped if self.forwarder else 0,
             spool_unreadable=self.forwarder.spool_unreadable if self.forwarder else None,
             forwarder_stopped=self.forwarder_stopped,
             seconds_since_scan=time.monotonic() - self._last_scan,

@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaConnectionError, KafkaError, MessageSizeTooLargeError
+from aiokafka.errors import (
+    InvalidTimestampError,
+    KafkaConnectionError,
+    KafkaError,
+    MessageSizeTooLargeError,
+)
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -64,6 +69,10 @@ class ForwarderStats:
     refused: dict[str, int] = field(default_factory=dict)
     # Reads of the spool that failed (out of descriptors, an I/O error): each retried.
     spool_read_errors: int = 0
+    # Events sent with the time they were sent, not their own: the broker refused their own as
+    # too far ahead of its clock (message.timestamp.after.max.ms, an hour by default: a node
+    # clock stepped back that far). The aggregator refuses them as future events.
+    unstamped: int = 0
 
 
 class QuietRetries(logging.Filter):
@@ -206,6 +215,8 @@ class KafkaForwarder:
         self.spool_unreadable: str | None = None
         self._unreadable_since = 0.0
         self._errors_at_start = 0
+        # Spool offsets below this are sent without their own time (see `unstamped`).
+        self._unstamped_until = -1
         try:
             committed = self.reader.committed(FORWARDER_GROUP)
         except CorruptCheckpointError as exc:
@@ -294,10 +305,20 @@ class KafkaForwarder:
         acked = self._offset
         skipped = 0
         futures: list[asyncio.Future[Any] | None] = []
+        unstamped = 0
         try:
             for r in records:
+                # The record's time is the event's (as in the local log), not the send time:
+                # the aggregator compares the two, and after a backward step of the node's
+                # wall clock the event time runs ahead of the wall clock by the step.
+                ts: int | None = r.timestamp_ms
+                if r.offset < self._unstamped_until:
+                    ts = None
+                    unstamped += 1
                 try:
-                    fut = await producer.send(self.settings.topic, value=r.value, key=r.key)
+                    fut = await producer.send(
+                        self.settings.topic, value=r.value, key=r.key, timestamp_ms=ts
+                    )
                 except MessageSizeTooLargeError:
                     fut = None  # the producer's own check, before sending: no retry can help
                 futures.append(fut)
@@ -316,7 +337,9 @@ class KafkaForwarder:
         except KafkaError as exc:
             self.stats.send_failures += 1
             refusal = classify(exc)
-            if refusal is not None:
+            if isinstance(exc, InvalidTimestampError):
+                self._times_refused(records[-1].offset + 1)
+            elif refusal is not None:
                 self._count_refused(refusal)
                 log.error("kafka refused the collector, retrying: %s", refusal)
             else:
@@ -333,7 +356,24 @@ class KafkaForwarder:
             self._offset = acked
             self.stats.sent += done - skipped
             self.stats.too_large += skipped
+            self.stats.unstamped += min(unstamped, done)
         return done
+
+    def _times_refused(self, until: int) -> None:
+        """The broker refused the events' own times: sent again as they are, they would be
+        refused for ever and hold up the spool, so the spool up to `until` goes with the send
+        time instead."""
+        if until <= self._unstamped_until:
+            return
+        log.warning(
+            "kafka refused the events' own times (more than the topic's "
+            "message.timestamp.after.max.ms ahead of the broker's clock: the node's clock "
+            "stepped back?); spool offsets %d to %d are sent stamped with the send time, and "
+            "the aggregator refuses those as future events",
+            self._offset,
+            until - 1,
+        )
+        self._unstamped_until = until
 
     def _commit(self, acked: int) -> None:
         """Remember what the broker has, and free the spool below it. On a full disk the

@@ -159,6 +159,14 @@ OWN: tuple[Metric, ...] = (
         _get("kafka_too_large"),
     ),
     Metric(
+        "hami_usage_kafka_unstamped_total", "counter", "events", "health", (),
+        "events sent stamped with the send time because Kafka refused their own time as too far "
+        "ahead of its clock (a node clock stepped back by more than the topic's "
+        "message.timestamp.after.max.ms, an hour by default); the aggregator refuses them as "
+        "future events",
+        _get("kafka_unstamped"),
+    ),
+    Metric(
         "hami_usage_spool_read_errors_total", "counter", "errors", "health", (),
         "failed reads of the spool by the Kafka forwarder (out of descriptors, an I/O error; "
         "each retried, the events stay spooled)",

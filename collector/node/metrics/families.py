@@ -48,6 +48,7 @@ class Health:
     log_write_errors: int = 0
     kafka_too_large: int = 0  # spooled events over the producer's max_request_size, skipped
     spool_read_errors: int = 0  # the Kafka forwarder's failed reads of the spool (retried)
+    kafka_unstamped: int = 0  # events sent with the send time: the broker refused their own
     spool_unreadable: str | None = None  # why the forwarder cannot read the spool now
     forwarder_stopped: str | None = None  # what ended the Kafka forwarder (a bug)
     clock_steps: int = 0  # steps of the wall clock absorbed (node/clock.py)
