@@ -20,6 +20,7 @@ from lifecycle import (
     SETTINGS,
     SETTINGS_FLAGS,
     T0_MS,
+    FakeClock,
     Lab,
     TruthKey,
     billed,
@@ -42,6 +43,7 @@ from collector.events import (
 )
 from collector.node.identity import IdentityStage
 from collector.node.pods import PodView
+from collector.node.scan import Scanner
 from collector.simulate import GiB, MiB
 
 Script = Callable[[Lab, int], None]
@@ -418,6 +420,20 @@ def test_clock_steps_are_reported_once_each_and_event_time_never_goes_back(
         assert ts == sorted(ts)
         beats = sorted({e.ts for e in lab.events if type(e).__name__ == "Heartbeat"})
         assert beats == [T0_MS + k * 30_000 for k in range(SECONDS // 30 + 1)]
+
+
+def test_collector_started_is_seq_0_when_the_clock_steps_while_it_starts(tmp_path: Path) -> None:
+    """A step between the scanner's making and its announcement (start-up opens NVML, the log
+    and the metrics server in between) was stamped first: `clock_step` took seq 0, and
+    `CollectorStarted` seq 1, against the README's "the first event (seq 0)"."""
+    clock = FakeClock(T0_MS)
+    scanner = Scanner(tmp_path, heartbeat_s=30, inc=1, clock=clock)
+    clock.mono += 500_000_000
+    clock.step_wall(-5)
+    started, step = scanner.announce("h", "/log")
+    assert (type(started).__name__, started.seq, started.ts) == ("CollectorStarted", 0, T0_MS + 500)
+    assert isinstance(step, LayoutAnomaly)
+    assert (step.anomaly, step.seq, step.ts, step.value) == ("clock_step", 1, T0_MS + 500, -5000)
 
 
 def test_a_restart_after_a_backward_step_goes_on_after_the_last_event(tmp_path: Path) -> None:

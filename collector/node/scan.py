@@ -104,18 +104,24 @@ class Scanner:
     def announce(self, host: str, log: str, now_ms: int | None = None) -> list[Event]:
         """The incarnation's first event, `CollectorStarted` (seq 0 when called first), at the
         event time scans use (see clock.py)."""
-        events = self._event_time(now_ms)
-        events.insert(0, self._stamp(CollectorStarted, host=host, pid=os.getpid(), log=log))
-        return events
+        step = self._tick(now_ms)
+        started = self._stamp(CollectorStarted, host=host, pid=os.getpid(), log=log)
+        return [started] if step is None else [started, self._clock_step(step)]
 
     def _event_time(self, now_ms: int | None) -> list[Event]:
-        """Set the time this call's events carry: `now_ms` (tests), else the clock's, with a
-        `clock_step` anomaly when the wall clock stepped."""
+        """Set the time this call's events carry, with a `clock_step` anomaly when the wall
+        clock stepped."""
+        step = self._tick(now_ms)
+        return [] if step is None else [self._clock_step(step)]
+
+    def _tick(self, now_ms: int | None) -> Step | None:
+        """Set the time this call's events carry: `now_ms` (tests), else the clock's; the wall
+        clock's step since the last call, if it stepped."""
         if now_ms is not None:
             self._ts = now_ms
-            return []
+            return None
         self._ts, step = self.clock.now()
-        return [] if step is None else [self._clock_step(step)]
+        return step
 
     def heartbeat_now(self) -> None:
         """Make the next scan send a heartbeat (e.g. after events were dropped)."""
