@@ -75,13 +75,28 @@ def faked(stamp: Path) -> dict[str, str]:
     }
 
 
-def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
-    root, log, stamp = tmp_path / "containers", tmp_path / "log", tmp_path / "faketime"
+def one_container(root: Path) -> tuple[Path, CacheWriter]:
+    """A container folder under `root` whose one process holds 2 GiB."""
     folder = root / f"{POD}_main"
     folder.mkdir(parents=True)
     w = CacheWriter(folder / "0.cache", V12, [SimDevice("GPU-0000000f-1111-4000-8000-0", 8 * GiB)])
     w.add_process(1, 4001)
     w.add_memory(1, 0, "data", 2 * GiB)
+    return folder, w
+
+
+def gone(w: CacheWriter, folder: Path, log: Path) -> None:
+    """The container's folder removed; back once the collector said so."""
+    w.close()
+    shutil.rmtree(folder)
+    wait_until(
+        lambda: any(isinstance(e, ContainerGone) for e in events_of(log)), 30, "the gone event"
+    )
+
+
+def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
+    root, log, stamp = tmp_path / "containers", tmp_path / "log", tmp_path / "faketime"
+    folder, w = one_container(root)
     env = faked(stamp)
     cmd = [
         str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(log), "--node", "n1",
@@ -104,11 +119,7 @@ def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
         wait_until(lambda: heartbeats() >= before + 2, 30, "heartbeats after the step")
         w.exit(1)  # an exit after the step
         time.sleep(1.0)
-        w.close()
-        shutil.rmtree(folder)
-        wait_until(
-            lambda: any(isinstance(e, ContainerGone) for e in events_of(log)), 30, "the gone event"
-        )
+        gone(w, folder, log)
         after_s = time.monotonic() - stepped
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, err.read_text()
@@ -162,11 +173,7 @@ def test_a_step_back_past_max_skew_loses_nothing_on_kafka(
     the collector's own spool says. With the send time as the record time (the Kafka client's
     default) every event after the step was refused: 7 of 13 in the first reproduction."""
     root, log, stamp = tmp_path / "containers", tmp_path / "log", tmp_path / "faketime"
-    folder = root / f"{POD}_main"
-    folder.mkdir(parents=True)
-    w = CacheWriter(folder / "0.cache", V12, [SimDevice("GPU-0000000f-1111-4000-8000-0", 8 * GiB)])
-    w.add_process(1, 4001)
-    w.add_memory(1, 0, "data", 2 * GiB)
+    folder, w = one_container(root)
     env = faked(stamp)
     asyncio.run(create_topic(kafka_bootstrap, kafka_topic, 1))
     cmd = [
@@ -184,12 +191,10 @@ def test_a_step_back_past_max_skew_loses_nothing_on_kafka(
             lambda: any(isinstance(e, LayoutAnomaly) for e in events_of(log)), 30, "the step"
         )
         w.exit(1)
-        time.sleep(1.0)
-        w.close()
-        shutil.rmtree(folder)
         wait_until(
-            lambda: any(isinstance(e, ContainerGone) for e in events_of(log)), 30, "the gone event"
+            lambda: any(isinstance(e, ProcessExited) for e in events_of(log)), 30, "the exit"
         )
+        gone(w, folder, log)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, err.read_text()
     finally:
