@@ -269,18 +269,26 @@ class ApiServer:
         """Cut every open watch stream in the middle of its body (a dropped connection)."""
         self._call(self._drop())
 
+    @property
+    def open_watches(self) -> int:
+        """Watch streams open now."""
+        return len(self._streams)
+
     def compact(self) -> None:
         """Forget the history: a watch from any version before now gets 410 Gone."""
         with self.lock:
             self.oldest = self.rv
             self.history.clear()
 
-    def kubeconfig(self, path: Path, token: str | None = None) -> Path:
+    def kubeconfig(
+        self, path: Path, token: str | None = None, user: dict[str, Any] | None = None
+    ) -> Path:
+        """A kubeconfig for this server; `user`: the credentials, else `token`."""
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
-            "users": [{"name": "collector", "user": {"token": token or self.token}}],
+            "users": [{"name": "collector", "user": user or {"token": token or self.token}}],
             "contexts": [
                 {"name": "stand-in", "context": {"cluster": "stand-in", "user": "collector"}}
             ],

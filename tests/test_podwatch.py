@@ -52,10 +52,14 @@ def server() -> Iterator[ApiServer]:
 
 @contextlib.asynccontextmanager
 async def watching(
-    server: ApiServer, tmp_path: Path, token: str | None = None, **settings: Any
+    server: ApiServer,
+    tmp_path: Path,
+    token: str | None = None,
+    user: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[PodWatch]:
     kube = KubeSettings(
-        kubeconfig=str(server.kubeconfig(tmp_path / "kubeconfig", token)),
+        kubeconfig=str(server.kubeconfig(tmp_path / "kubeconfig", token, user)),
         **{**FAST, "pod_labels": ("team",), "namespace_labels": ("cost-center",), **settings},
     )
     api = await open_api(kube)
@@ -252,6 +256,91 @@ async def test_401_is_one_clear_line_and_a_counter_and_never_a_crash(
         server.token = "expired"  # the credentials become valid (a rotated token)
         await asyncio.wait_for(watch.synced.wait(), 30)
         assert watch.stats.connected
+
+
+async def test_a_kubeconfig_token_file_is_read_again_when_it_is_rotated(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    """The client reads a kubeconfig's `tokenFile` once; a rotated token (a projected service
+    account token is replaced every hour) was never read again: 401 until a restart, and no
+    pod named meanwhile."""
+    token = tmp_path / "token"
+    token.write_text(server.token)
+    async with watching(server, tmp_path, user={"tokenFile": str(token)}) as watch:
+        await names_a_new_pod_after_rotating(server, watch, token)
+        assert watch.stats.connected
+
+
+async def names_a_new_pod_after_rotating(server: ApiServer, watch: PodWatch, token: Path) -> None:
+    """Once the watch is open with its token: the server takes only a new one, written to
+    `token`, and cuts the watch; a pod added then is named within 10 s."""
+    await until(lambda: server.open_watches > 0)
+    token.write_text("rotated")
+    server.token = "rotated"
+    server.drop_watches()
+    pod = server.add_owned_pod("web", "StatefulSet", "db", "db-1", ["pg"])
+    await until(lambda: pod["metadata"]["uid"] in watch.view, 10)
+
+
+def plugin(tmp_path: Path) -> tuple[dict[str, Any], Path, Path]:
+    """An exec credential plugin (a kubeconfig `user`) handing out the token in its token file,
+    expiring at once; it fails while its fail file exists. Its runs are counted in a file."""
+    token, fail, runs = tmp_path / "plugin-token", tmp_path / "plugin-fail", tmp_path / "runs"
+    script = tmp_path / "plugin.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"echo run >> {runs}\n"
+        f"if [ -e {fail} ]; then echo 'no credentials' >&2; exit 1; fi\n"
+        'printf \'{"apiVersion":"client.authentication.k8s.io/v1beta1","kind":'
+        '"ExecCredential","status":{"token":"%s","expirationTimestamp":'
+        f'"2000-01-01T00:00:00Z"}}}}\' "$(cat {token})"\n'
+    )
+    script.chmod(0o755)
+    user = {
+        "exec": {
+            "apiVersion": "client.authentication.k8s.io/v1beta1",
+            "command": str(script),
+            "interactiveMode": "Never",
+        }
+    }
+    return user, token, fail
+
+
+async def test_an_exec_plugins_expired_token_is_replaced(server: ApiServer, tmp_path: Path) -> None:
+    """The plugin ran once, at start: once its token expired and the server wanted the new
+    one, every request was refused (401) for good."""
+    user, token, _ = plugin(tmp_path)
+    token.write_text(server.token)
+    async with watching(server, tmp_path, user=user) as watch:
+        await names_a_new_pod_after_rotating(server, watch, token)
+    assert len((tmp_path / "runs").read_text().splitlines()) > 1
+
+
+async def test_credentials_that_cannot_be_loaded_are_retried_not_the_end_of_the_watch(
+    server: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client loads credentials before each request and raises its ConfigException when
+    it cannot (an exec plugin that fails, a token file read empty): that ended the pod watch
+    for good (nothing named again until a restart). It is retried like a refusal."""
+    caplog.set_level(logging.INFO, "collector.node.podwatch")
+    user, token, fail = plugin(tmp_path)
+    token.write_text(server.token)
+    async with watching(server, tmp_path, user=user) as watch:
+        await until(lambda: server.open_watches > 0)  # the watch, with its token
+        fail.touch()
+        server.drop_watches()
+        await until(lambda: watch.stats.auth_errors >= 3)
+        fail.unlink()
+        pod = server.add_owned_pod("web", "StatefulSet", "db", "db-1", ["pg"])
+        await until(lambda: pod["metadata"]["uid"] in watch.view, 10)
+    ours = [r for r in caplog.records if r.name == "collector.node.podwatch"]
+    errors = [r.getMessage() for r in ours if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(
+        "the collector's kubernetes credentials cannot be loaded (CredentialsUnavailable: "
+        "exec: process returned 1. no credentials)"
+    )
+    assert errors[0].endswith("pod names stay unknown until they can; retrying")
 
 
 async def test_403_on_pods_is_reported_and_on_replicasets_falls_back_to_the_name(
@@ -552,7 +641,6 @@ async def test_a_null_time_in_a_container_status_is_unknown_not_an_error(
         later = server.put_pod(make_pod("ml", "later", NODE, ["main"]))["metadata"]["uid"]
         await until(lambda: later in watch.view)
         assert watch.stats.errors == 0
-
 
 
 def _rbac_verb(path: str, query: dict[str, str]) -> tuple[str, str, str]:

@@ -121,8 +121,14 @@ class MalformedResponse(Exception):
     pass
 
 
+class CredentialsUnavailable(Exception):
+    """The client could not load its credentials for a request (a token file read empty, an
+    exec plugin that failed): retried like a refusal, since the next load may succeed."""
+
+
 RETRYABLE = (
     ApiError,
+    CredentialsUnavailable,
     MalformedResponse,
     aiohttp.ClientError,
     asyncio.TimeoutError,
@@ -142,7 +148,12 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
 async def _raw(call: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> ClientResponse:
     """Call a generated API method for its raw response (`_preload_content=False`): the body
     is decoded here, and a non-2xx status is not raised by the library."""
-    resp: ClientResponse = await call(*args, _preload_content=False, **kwargs)
+    from kubernetes_asyncio.config import ConfigException
+
+    try:
+        resp: ClientResponse = await call(*args, _preload_content=False, **kwargs)
+    except ConfigException as exc:  # raised by the credentials' refresh, before any request
+        raise CredentialsUnavailable(" ".join(str(exc).split())) from None
     return resp
 
 
@@ -575,6 +586,9 @@ class PodWatch:
         if isinstance(exc, ApiError) and exc.status in (401, 403):
             stats.auth_errors += 1
             kind = "auth"
+        elif isinstance(exc, CredentialsUnavailable):
+            stats.auth_errors += 1
+            kind = "credentials"
         elif isinstance(exc, ApiError) and exc.status == 429:
             stats.throttled += 1
             kind = "throttled"
@@ -591,6 +605,12 @@ class PodWatch:
             )
         elif kind == "throttled":
             log.warning("kubernetes API is throttling the pod watch (%s): waiting", what)
+        elif kind == "credentials":
+            log.error(
+                "the collector's kubernetes credentials cannot be loaded (%s): pod names stay "
+                "unknown until they can; retrying",
+                what,
+            )
         else:
             log.warning(
                 "kubernetes API: %s; retrying with back-off (usage is still collected, "
@@ -631,9 +651,10 @@ async def open_api(settings: KubeSettings) -> Any:
     cfg = Configuration()
     try:
         if settings.kubeconfig:
-            await load_kube_config(
+            loader = await load_kube_config(
                 config_file=settings.kubeconfig, client_configuration=cfg, persist_config=False
             )
+            cfg.refresh_api_key_hook = _reloading(loader)
         else:
             load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     except (ConfigException, OSError, ValueError, TypeError, KeyError, yaml.YAMLError) as exc:
@@ -641,6 +662,18 @@ async def open_api(settings: KubeSettings) -> Any:
         detail = " ".join(str(exc).split())  # one line, whatever the parser said
         raise KubeConfigError(f"kubernetes configuration ({where}): {detail}") from None
     return ApiClient(configuration=cfg)
+
+
+def _reloading(loader: Any) -> Callable[[Any], Awaitable[None]]:
+    """A hook the client calls before each request: the kubeconfig's credentials loaded again,
+    so a rotated `tokenFile` or an exec plugin's expired token is replaced (the loader runs the
+    plugin again only once its token has expired). The library refreshes the in-cluster token
+    itself, a kubeconfig's only when asked."""
+
+    async def reload(cfg: Any) -> None:
+        await loader.load_and_set(cfg)
+
+    return reload
 
 
 class KubeConfigError(Exception):

@@ -75,13 +75,17 @@ class ForwarderStats:
     unstamped: int = 0
 
 
+NOISY = ("aiokafka", "kubernetes_asyncio")  # the libraries QuietRetries quiets
+
+
 class QuietRetries(logging.Filter):
     """aiokafka logs every reconnect attempt of every connection, tens of lines a second while
-    the broker is away (and a process writing to a full stderr pipe stops). Let each distinct
-    aiokafka warning or error through once per `period_s`, saying how many like it were held
-    back. Its INFO lines are state changes, each once (a group joined, the partitions assigned,
-    a coordinator found), and always pass: held back, a replica's log would go on naming the
-    partitions it held before the last rebalance."""
+    the broker is away (and a process writing to a full stderr pipe stops); kubernetes_asyncio
+    logs each failed load of the pod watch's credentials, which the watch retries and reports
+    itself. Let each distinct warning or error of theirs through once per `period_s`, saying
+    how many like it were held back. aiokafka's INFO lines are state changes, each once (a
+    group joined, the partitions assigned, a coordinator found), and always pass: held back, a
+    replica's log would go on naming the partitions it held before the last rebalance."""
 
     def __init__(self, period_s: float = 30.0) -> None:
         super().__init__()
@@ -90,7 +94,7 @@ class QuietRetries(logging.Filter):
         self._held: dict[tuple[str, str], int] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith("aiokafka") or record.levelno < logging.WARNING:
+        if not record.name.startswith(NOISY) or record.levelno < logging.WARNING:
             return True
         key = (record.name, str(record.msg))
         now = time.monotonic()
