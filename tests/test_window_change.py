@@ -47,7 +47,14 @@ def test_the_rule() -> None:
     check_window(at, 60_000, "c")  # the same size
     check_window(at, 30_000, "c")  # a boundary at 180 s: takes over there
     check_window(at, 90_000, "c")
-    check_window(Checkpoint(T0_MS + 180_000), 300_000, "c")  # written before sizes were kept
+    check_window(Checkpoint(), 300_000, "c")  # nothing emitted yet
+    with pytest.raises(CheckpointError) as unknown:  # written before sizes were recorded
+        check_window(Checkpoint(T0_MS + 180_000), 300_000, "c")
+    assert str(unknown.value) == (
+        "c was written with windows of another size, emitted up to 2026-03-02T10:03:00Z; "
+        "--window 300 would bill 2026-03-02T10:00:00Z to 2026-03-02T10:03:00Z again: keep the "
+        "window size it was written with, or start the new size in a new --group"
+    )
     with pytest.raises(CheckpointError) as refused:
         check_window(at, 300_000, "checkpoint of group g")
     assert str(refused.value) == (

@@ -111,16 +111,21 @@ def parse_checkpoint(text: str | None, where: str = "checkpoint") -> Checkpoint:
 def check_window(checkpoint: Checkpoint, window_ms: int, where: str) -> None:
     """CheckpointError when this run's windows would overlap the windows already emitted: the
     first one ending past the emitted end would bill again what the windows up to that end
-    billed. A new size whose windows have a boundary at that end (60 s after 300 s; 300 s
-    after 60 s when the end is on the hour's 5-minute marks) takes over from it exactly."""
-    old, end = checkpoint.window_ms, checkpoint.emitted_until_ms
-    if old in (0, window_ms) or end % window_ms == 0:
+    billed. An emitted end is a boundary of the windows that emitted it, so a size with a
+    boundary there too (60 s after 300 s; 300 s after 60 s when the end is on a 5-minute mark)
+    takes over from it exactly, and one without would overlap, whatever size is recorded
+    (checkpoints written before the size was recorded have none)."""
+    end = checkpoint.emitted_until_ms
+    if end % window_ms == 0:
         return
+    old = checkpoint.window_ms
+    sizes = f"{old / 1000:g} s windows" if old else "windows of another size"
     start = end - end % window_ms
+    keep = f"keep --window {old / 1000:g}" if old else "keep the window size it was written with"
     raise CheckpointError(
-        f"{where} was written with {old / 1000:g} s windows, emitted up to {iso_utc(end)}; "
-        f"--window {window_ms / 1000:g} would bill {iso_utc(start)} to {iso_utc(end)} again: "
-        f"keep --window {old / 1000:g}, or start the new size in a new --group"
+        f"{where} was written with {sizes}, emitted up to {iso_utc(end)}; --window "
+        f"{window_ms / 1000:g} would bill {iso_utc(start)} to {iso_utc(end)} again: {keep}, or "
+        "start the new size in a new --group"
     )
 
 
