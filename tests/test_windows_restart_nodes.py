@@ -16,7 +16,7 @@ from test_windows import Collector, row, state
 
 from collector.aggregate.records import BillingRecord, record_order
 from collector.aggregate.windows import Aggregator, WindowSettings
-from collector.events import Event
+from collector.events import ContainerState, Event
 
 S = WindowSettings(
     window_ms=10_000, lateness_ms=3_000, max_gap_ms=9_000, max_skew_ms=5_000, idle_ms=30_000
@@ -170,23 +170,74 @@ def test_a_restart_at_every_third_cut_of_nodes_with_outages_gives_the_uninterrup
 
 
 def test_silences_are_forgotten_once_no_restart_needs_them() -> None:
-    """A collector that loses the broker for 5 s every 20 s, for 400 s: what the aggregator
+    """A collector that loses the broker for 12 s every 20 s, for 400 s: what the aggregator
     keeps of its silences stays bounded (those that ended within max_skew + max_gap + window
-    = 24 s of record time before the closed end), and restarts still match."""
+    = 24 s of record time before the closed end), and restarts still match. (Outages of up to
+    max_skew + lateness = 8 s are no silences at all: a restart's progress, at most max_skew
+    behind the newest record time, cannot pass the node by more than the lateness.)"""
     steady = heartbeats("steady", 1, range(400), {0: 200})
     flappy = heartbeats("flappy", 2, range(400), {0: 100, 200: 300})
     for a in range(10, 400, 20):
-        flappy = spooled(flappy, a, a + 5)
+        flappy = spooled(flappy, a, a + 12)
     msgs = interleave(steady, flappy)
     whole = Aggregator(S)
     feed(whole, msgs, 0)
     kept = whole._progress._src[0].nodes["flappy"].silences  # noqa: SLF001 (its memory)
     assert whole.closed_until_ms == T0 + 390_000
-    # of its 20 silences, the last two: (last event before, first event after), record times
+    # of its 20 outages the last two, each one entry however many events its spool drained:
+    # (its last event before, its last event of the spool), record times
     assert [(msgs[first][0] - T0, msgs[end][0] - T0) for first, end, _ in kept] == [
-        (369_000, 375_000),
-        (389_000, 395_000),
+        (369_000, 382_000),
+        (389_000, 402_000),
     ]
     expected = uninterrupted(msgs)
     for cut in range(1, len(msgs), 7):
         assert restarted(msgs, cut)[0] == expected, cut
+
+
+def test_a_node_silent_from_just_before_the_cut_holds_the_restart_too() -> None:
+    """No node has a container (the open windows need no event of theirs) until `m`, silent
+    from 15 s, starts one during its outage; its spool is drained at 40 s. A restart cut
+    within the lateness after m's last event once read again from the cut: m unknown, its
+    container billed only from the window its spool found open (cuts 30 to 33 differed, 15
+    late events each)."""
+    a, m = Collector(inc=1), Collector(inc=2)
+
+    def beat(c: Collector, s: int, *states: ContainerState) -> Event:
+        return msgspec.structs.replace(c.heartbeat(T0 + s * 1000, *states), interval_ms=1000)
+
+    quiet: Feed = [(T0 + s * 1000, "a", beat(a, s)) for s in range(100)]
+    busy: Feed = [
+        (T0 + s * 1000, "m", beat(m, s, *([state(1, row(1, 500))] if s >= 16 else [])))
+        for s in range(100)
+    ]
+    msgs = interleave(quiet, spooled(busy, 15, 40))
+    last = max(i for i, (rec, n, _) in enumerate(msgs) if n == "m" and rec < T0 + 15_000)
+    at = resumes(msgs)
+    assert last == 29
+    assert all(at[cut] <= last for cut in range(30, 34))
+
+
+def test_nodes_that_send_a_heartbeat_every_30_s_do_not_move_the_restart_back() -> None:
+    """The defaults (lateness 10 s, max_skew 300 s); 10 nodes with a steady container send
+    only their heartbeat, every 30 s, at phases 3 s apart, for 30 minutes. Each gap between
+    two heartbeats is longer than the lateness, but never lets a progress capped 300 s behind
+    the newest record time pass the node: no silence is kept, and the restart reads the last
+    30 s before the closed end, as before silences were kept (it read 477 s when every gap
+    longer than the lateness counted)."""
+    settings = WindowSettings()
+    msgs: Feed = []
+    for k in range(10):
+        c = Collector(inc=k + 1)
+        for t in range(3_000 * k, 1_800_000, 30_000):
+            hb = c.heartbeat(T0 + t, state(1, row(1, 100 * (k % 5 + 1)), pod=f"pod-{k}"))
+            msgs.append((T0 + t, f"n{k}", hb))
+    msgs.sort(key=lambda x: x[0])
+    agg = Aggregator(settings)
+    for offset, (rec, node, e) in enumerate(msgs):
+        agg.add(node, e, offset=offset, record_ts_ms=rec)
+        agg.advance()
+    resume = agg.needed_offsets()[0]
+    assert agg.closed_until_ms is not None
+    assert agg.closed_until_ms - msgs[resume][0] == 30_000
+    assert sum(len(n.silences) for n in agg._progress._src[0].nodes.values()) == 0  # noqa: SLF001

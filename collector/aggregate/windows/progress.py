@@ -50,19 +50,28 @@ class _Node:
     """One node's progress in a source: newest event ts, newest record ts, active or idle; and,
     for restarts, its last event and its silences (see `Progress.held_back`)."""
 
-    __slots__ = ("active", "last", "rec", "silences", "src_rec", "top")
+    __slots__ = ("active", "last", "rec", "silences", "top")
 
-    def __init__(self, top: int, rec: int, last: int, src_rec: int) -> None:
+    def __init__(self, top: int, rec: int, last: int) -> None:
         self.top = top
         self.rec = rec
         self.active = True
         self.last = last  # offset of its last event that counted (-1: not read from a source)
-        self.src_rec = src_rec  # the source's record time at that event
         # (offset of its last event before, first offset read after, the source's record
-        # time then): the silences it held the source back through, while the source's
-        # record time moved on by more than the lateness; each ends with its next event or
-        # when it turned idle
+        # time then): the silences through which it held back a progress that could
+        # otherwise have passed it (`_Source.passes`); each ends with its next event or when
+        # it turned idle
         self.silences: list[tuple[int, int, int]] = []
+
+
+def _silence(n: _Node, end: int, rec: int) -> None:
+    """Node `n` was silent from its last event to offset `end` (the source's record time then
+    `rec`). One that goes on from where the one before ended (its spool drained one event at a
+    time, each still behind) extends it: one entry per outage."""
+    if n.silences and n.silences[-1][1] == n.last:
+        n.silences[-1] = (n.silences[-1][0], end, rec)
+    else:
+        n.silences.append((n.last, end, rec))
 
 
 class _Source:
@@ -93,18 +102,28 @@ class _Source:
             low = self.recorded - behind
         return low if low > self.floor else self.floor
 
+    def passes(self, top: int, behind: int, lateness: int) -> bool:
+        """Whether a progress that did not know a node could close windows past `top`, its
+        newest ts: such a progress is at most the newest event, and at most `behind` before
+        the newest record time. (A node that sends every 30 s while the others send every
+        second is never passed, with the defaults: 300 s behind the newest record time.)"""
+        bound = self.newest
+        if self.recorded != -NEVER and self.recorded - behind < bound:
+            bound = self.recorded - behind
+        return bound - lateness > top
+
 
 class Progress:
     """Per source: the offset after the last one added, and each node's progress."""
 
-    __slots__ = ("_idle", "_idle_extra", "_quiet", "_reach", "_skew", "_src", "future_by_node")
+    __slots__ = ("_idle", "_idle_extra", "_lateness", "_reach", "_skew", "_src", "future_by_node")
 
     def __init__(
         self, max_skew_ms: int, idle_ms: int, idle_extra_ms: int, lateness_ms: int
     ) -> None:
         self._skew = max_skew_ms
         self._idle = idle_ms
-        self._quiet = lateness_ms
+        self._lateness = lateness_ms
         # A silence that ended at source record time R can still matter to a restart while a
         # restart's progress before R could pass the closed end: that progress is at most R +
         # max_skew + idle_extra (an all-idle source), and closes windows `lateness` behind.
@@ -146,18 +165,22 @@ class Progress:
             if rec >= s.next_idle:
                 self._turn_idle(s, rec, offset)
         n = s.nodes.get(node)
-        if n is not None and n.active and offset >= 0 <= n.last and s.rec - n.src_rec > self._quiet:
-            n.silences.append((n.last, offset, s.rec))  # it held the source back through it
+        if (
+            n is not None
+            and n.active
+            and offset >= 0 <= n.last
+            and s.passes(n.top, self._skew, self._lateness)
+        ):
+            _silence(n, offset, s.rec)  # it held the source back through it
         if n is None or not n.active:
             # Joining lowers the minimum: keep what the others had reached first.
             s.floor = s.top(self._idle_extra, self._skew)
             if n is None:
-                n = s.nodes[node] = _Node(ts, rec, offset, s.rec)
+                n = s.nodes[node] = _Node(ts, rec, offset)
             else:
                 n.active = True
         if offset >= 0:
             n.last = offset
-            n.src_rec = s.rec
         if ts > s.newest:
             s.newest = ts
         if ts > n.top:
@@ -184,8 +207,8 @@ class Progress:
             if n.active:
                 if n.rec + idle <= rec:
                     n.active = False
-                    if n.last >= 0:
-                        n.silences.append((n.last, offset, rec))
+                    if n.last >= 0 and s.passes(n.top, self._skew, self._lateness):
+                        _silence(n, offset, rec)
                 elif n.rec + idle < nxt:
                     nxt = n.rec + idle
         s.next_idle = nxt
@@ -212,10 +235,10 @@ class Progress:
         knows the node there and is held back by it as this run was. Otherwise the restart's
         progress would pass the node's, and close windows this run kept open for it: the
         node's events read after (a spool drained after an outage, with its old times) would
-        be late there and in time here. A silence counts when the source's record time moved
-        on by more than the lateness during it (a node that sends every second is known again
-        a second into the restart). Lowering the offset can put it inside another silence:
-        repeated until it is in none."""
+        be late there and in time here. A past silence counts when a progress that did not
+        know the node could have passed it (`_Source.passes`); every active node's silence
+        since its last event counts, since it may go on after the restart. Lowering the
+        offset can put it inside another silence: repeated until it is in none."""
         for source, s in self._src.items():
             r = need.get(source)
             if r is None:
@@ -223,8 +246,9 @@ class Progress:
             spans: list[tuple[int, int, int]] = []
             for n in s.nodes.values():
                 spans += n.silences
-                if n.active and n.last >= 0 and s.rec - n.src_rec > self._quiet:
-                    spans.append((n.last, NEVER, NEVER))  # silent now
+                if n.active and n.last >= 0:
+                    # silent from here, maybe past the restart: every active node's
+                    spans.append((n.last, NEVER, NEVER))
             lowered = True
             while lowered:
                 lowered = False
