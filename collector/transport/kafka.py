@@ -69,9 +69,9 @@ class ForwarderStats:
     refused: dict[str, int] = field(default_factory=dict)
     # Reads of the spool that failed (out of descriptors, an I/O error): each retried.
     spool_read_errors: int = 0
-    # Events sent with the time they were sent, not their own: the broker refused their own as
-    # too far ahead of its clock (message.timestamp.after.max.ms, an hour by default: a node
-    # clock stepped back that far). The aggregator refuses them as future events.
+    # Events sent with the time they were sent though their own is later: the broker refused
+    # such a time as too far ahead of its clock (message.timestamp.after.max.ms, an hour by
+    # default: a node clock stepped back that far). The aggregator refuses them as future events.
     unstamped: int = 0
 
 
@@ -219,8 +219,10 @@ class KafkaForwarder:
         self.spool_unreadable: str | None = None
         self._unreadable_since = 0.0
         self._errors_at_start = 0
-        # Spool offsets below this are sent without their own time (see `unstamped`).
-        self._unstamped_until = -1
+        # The broker refused an event's own time: from then on every record carries the send
+        # time (see `unstamped`); and whether it refused even that (a node clock far ahead).
+        self._send_time_only = False
+        self._refused_send_time = False
         try:
             committed = self.reader.committed(FORWARDER_GROUP)
         except CorruptCheckpointError as exc:
@@ -310,14 +312,17 @@ class KafkaForwarder:
         skipped = 0
         futures: list[asyncio.Future[Any] | None] = []
         unstamped = 0
+        now = int(time.time() * 1000)
         try:
             for r in records:
-                # The record's time is the event's (as in the local log), not the send time:
-                # the aggregator compares the two, and after a backward step of the node's
-                # wall clock the event time runs ahead of the wall clock by the step.
-                ts: int | None = r.timestamp_ms
-                if r.offset < self._unstamped_until:
-                    ts = None
+                # The record's time is when it was sent (a spool drained after an outage says
+                # when it came, as the aggregator's idle rule and a replay of it need), but
+                # never before the event's own: after a backward step of the node's wall clock
+                # the event time runs ahead of it by the step, and the aggregator refuses an
+                # event more than max_skew after its record time as from the future.
+                ts = max(r.timestamp_ms, now)
+                if self._send_time_only and ts > now:
+                    ts = now
                     unstamped += 1
                 try:
                     fut = await producer.send(
@@ -342,7 +347,7 @@ class KafkaForwarder:
             self.stats.send_failures += 1
             refusal = classify(exc)
             if isinstance(exc, InvalidTimestampError):
-                self._times_refused(records[-1].offset + 1)
+                self._times_refused()
             elif refusal is not None:
                 self._count_refused(refusal)
                 log.error("kafka refused the collector, retrying: %s", refusal)
@@ -356,6 +361,7 @@ class KafkaForwarder:
             await self._drop_producer()
         done = acked - self._offset
         if done:
+            self._refused_send_time = False  # (an episode ends with a batch sent)
             self._commit(acked)
             self._offset = acked
             self.stats.sent += done - skipped
@@ -363,21 +369,27 @@ class KafkaForwarder:
             self.stats.unstamped += min(unstamped, done)
         return done
 
-    def _times_refused(self, until: int) -> None:
-        """The broker refused the events' own times: sent again as they are, they would be
-        refused for ever and hold up the spool, so the spool up to `until` goes with the send
-        time instead."""
-        if until <= self._unstamped_until:
-            return
-        log.warning(
-            "kafka refused the events' own times (more than the topic's "
-            "message.timestamp.after.max.ms ahead of the broker's clock: the node's clock "
-            "stepped back?); spool offsets %d to %d are sent stamped with the send time, and "
-            "the aggregator refuses those as future events",
-            self._offset,
-            until - 1,
-        )
-        self._unstamped_until = until
+    def _times_refused(self) -> None:
+        """The broker refused a record's time as too far ahead of its clock. Sent again as
+        they are, this batch and every later one would be refused for ever, holding up the
+        spool: from now on records carry the send time. If even that is refused, the node's
+        wall clock is itself too far ahead: nothing can be sent until it is set right."""
+        if not self._send_time_only:
+            self._send_time_only = True
+            log.warning(
+                "kafka refused an event's own time (more than the topic's "
+                "message.timestamp.after.max.ms ahead of the broker's clock: the node's clock "
+                "stepped back?); this collector now stamps its records with the send time until "
+                "it restarts, and the aggregator refuses those of the events ahead of it as "
+                "future events"
+            )
+        elif not self._refused_send_time:
+            self._refused_send_time = True
+            log.error(
+                "kafka refuses even the send time: this node's wall clock is more than the "
+                "topic's message.timestamp.after.max.ms ahead of the broker's; the events stay "
+                "spooled and are retried until it is set right"
+            )
 
     def _commit(self, acked: int) -> None:
         """Remember what the broker has, and free the spool below it. On a full disk the
