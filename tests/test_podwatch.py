@@ -320,8 +320,8 @@ async def test_credentials_that_cannot_be_loaded_are_retried_not_the_end_of_the_
     server: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The client loads credentials before each request and raises its ConfigException when
-    it cannot (an exec plugin that fails, a token file read empty): that ended the pod watch
-    for good (nothing named again until a restart). It is retried like a refusal."""
+    it cannot (an exec plugin that fails): that ended the pod watch for good (nothing named
+    again until a restart). It is retried like a refusal."""
     caplog.set_level(logging.INFO, "collector.node.podwatch")
     user, token, fail = plugin(tmp_path)
     token.write_text(server.token)

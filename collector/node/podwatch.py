@@ -122,8 +122,8 @@ class MalformedResponse(Exception):
 
 
 class CredentialsUnavailable(Exception):
-    """The client could not load its credentials for a request (a token file read empty, an
-    exec plugin that failed): retried like a refusal, since the next load may succeed."""
+    """The client could not load its credentials for a request (an exec plugin that failed):
+    retried like a refusal, since the next load may succeed."""
 
 
 RETRYABLE = (
@@ -665,10 +665,11 @@ async def open_api(settings: KubeSettings) -> Any:
 
 
 def _reloading(loader: Any) -> Callable[[Any], Awaitable[None]]:
-    """A hook the client calls before each request: the kubeconfig's credentials loaded again,
-    so a rotated `tokenFile` or an exec plugin's expired token is replaced (the loader runs the
-    plugin again only once its token has expired). The library refreshes the in-cluster token
-    itself, a kubeconfig's only when asked."""
+    """A hook the client calls before each request that carries a bearer token: the
+    kubeconfig's credentials loaded again, so a rotated `tokenFile` or an exec plugin's expired
+    token is replaced (the loader runs the plugin again once its token has expired, or every
+    time if it gives no expiry). Client certificates stay those the client was made with. The
+    library refreshes the in-cluster token itself, a kubeconfig's only when asked."""
 
     async def reload(cfg: Any) -> None:
         await loader.load_and_set(cfg)

@@ -28,10 +28,12 @@ Restarts: a restart reads again from `needed_offsets()` with no progress of its 
 node only once it reads an event of it. A node silent there (its collector's spool filling while
 the others' events move on) held this run back, but would not hold the restart back: the
 restart would close windows this run kept open for it, and bill its spool, drained later, as
-late. So each node remembers the silences it held its source back through, and the restart
-offset is moved out of them (`held_back`): a silence lasts at most `idle_ms` of record time (an
-idle node holds nothing back), and one that ended more than `max_skew_ms` + `idle_extra_ms` -
-`lateness_ms` of record time before the closed end is forgotten (`forget`).
+late. So each node remembers the silences through which it held back a progress that could
+otherwise have passed it, and the restart offset is moved out of them and out of every active
+node's silence since its last event (`held_back`). A silence ends with the node's next event
+that is no longer behind (so a drained spool is part of its outage) or when the node turned
+idle (an idle node holds nothing back); one that ended more than `max_skew_ms` +
+`idle_extra_ms` - `lateness_ms` of record time before the closed end is forgotten (`forget`).
 
 Future events: with `record_ts_ms` (the transport's record time) given, an event whose ts is more
 than `max_skew_ms` after it is dropped and counted in `stats.future_events` (and per node). It
@@ -57,10 +59,10 @@ class _Node:
         self.rec = rec
         self.active = True
         self.last = last  # offset of its last event that counted (-1: not read from a source)
-        # (offset of its last event before, first offset read after, the source's record
-        # time then): the silences through which it held back a progress that could
-        # otherwise have passed it (`_Source.passes`); each ends with its next event or when
-        # it turned idle
+        # (offset of its last event before, of its last event read while still passed or of
+        # the first offset read once it turned idle, the source's record time then): the
+        # silences through which it held back a progress that could otherwise have passed it
+        # (`_Source.passes`), one per outage (`_silence`)
         self.silences: list[tuple[int, int, int]] = []
 
 
