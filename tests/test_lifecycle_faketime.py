@@ -9,6 +9,7 @@ runs, the way NTP steps a clock. The monotonic clock is left alone, as the kerne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import os
 import shutil
@@ -16,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,22 @@ def faked(stamp: Path) -> dict[str, str]:
     }
 
 
+@contextlib.contextmanager
+def running(cmd: list[str], env: dict[str, str], err: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`cmd` running, its stderr in `err`, for the block; stopped with SIGTERM after it (it
+    must exit 0), killed if the block failed."""
+    with err.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
+    try:
+        yield proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def one_container(root: Path) -> tuple[Path, CacheWriter]:
     """A container folder under `root` whose one process holds 2 GiB."""
     folder = root / f"{POD}_main"
@@ -102,10 +119,7 @@ def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
         str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(log), "--node", "n1",
         "--interval", "0.2", "--heartbeat", "1", "--no-nvml",
     ]  # fmt: skip
-    err = tmp_path / "collect.err"
-    with err.open("wb") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
-    try:
+    with running(cmd, env, tmp_path / "collect.err"):
 
         def heartbeats() -> int:
             if not log.exists():
@@ -121,12 +135,6 @@ def test_a_real_collector_whose_wall_clock_steps_back(tmp_path: Path) -> None:
         time.sleep(1.0)
         gone(w, folder, log)
         after_s = time.monotonic() - stepped
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, err.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
     # Restarted with the clock still 300 s back: it goes on after the last event it wrote.
     again = subprocess.run(
@@ -181,10 +189,7 @@ def test_a_step_back_past_max_skew_loses_nothing_on_kafka(
         "--interval", "0.2", "--heartbeat", "1", "--no-nvml", "--no-kubernetes",
         "--kafka", kafka_bootstrap, "--topic", kafka_topic,
     ]  # fmt: skip
-    err = tmp_path / "collect.err"
-    with err.open("wb") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=env)
-    try:
+    with running(cmd, env, tmp_path / "collect.err"):
         wait_until(lambda: log.exists() and len(events_of(log)) >= 3, 60, "the first events")
         stamp.write_text("-600s\n")
         wait_until(
@@ -195,12 +200,6 @@ def test_a_step_back_past_max_skew_loses_nothing_on_kafka(
             lambda: any(isinstance(e, ProcessExited) for e in events_of(log)), 30, "the exit"
         )
         gone(w, folder, log)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, err.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
     spooled = events_of(log)
     got = asyncio.run(consume_plain(kafka_topic, bootstrap_servers=kafka_bootstrap))
