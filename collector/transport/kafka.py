@@ -320,10 +320,7 @@ class KafkaForwarder:
                 # never before the event's own: after a backward step of the node's wall clock
                 # the event time runs ahead of it by the step, and the aggregator refuses an
                 # event more than max_skew after its record time as from the future.
-                ts = max(r.timestamp_ms, now)
-                if self._send_time_only and ts > now:
-                    ts = now
-                    unstamped += 1
+                ts = now if self._send_time_only else max(r.timestamp_ms, now)
                 try:
                     fut = await producer.send(
                         self.settings.topic, value=r.value, key=r.key, timestamp_ms=ts
@@ -342,6 +339,8 @@ class KafkaForwarder:
                     )
                 else:
                     await f
+                    if self._send_time_only and r.timestamp_ms > now:
+                        unstamped += 1  # acknowledged with the send time, not its later own
                 acked = r.offset + 1
         except KafkaError as exc:
             self.stats.send_failures += 1
@@ -366,7 +365,7 @@ class KafkaForwarder:
             self._offset = acked
             self.stats.sent += done - skipped
             self.stats.too_large += skipped
-            self.stats.unstamped += min(unstamped, done)
+            self.stats.unstamped += unstamped
         return done
 
     def _times_refused(self) -> None:
