@@ -241,3 +241,46 @@ def test_nodes_that_send_a_heartbeat_every_30_s_do_not_move_the_restart_back() -
     assert agg.closed_until_ms is not None
     assert agg.closed_until_ms - msgs[resume][0] == 30_000
     assert sum(len(n.silences) for n in agg._progress._src[0].nodes.values()) == 0  # noqa: SLF001
+
+
+NEVER_S = 10**9
+
+
+def stamped(
+    node: str, inc: int, seconds: range, totals: dict[int, int], clock_ms: int, **shape: int
+) -> list[tuple[int, int, str, Event]]:
+    """(arrival, record time, node, event): a heartbeat a second of true time, stamped by its
+    collector's own clock, `clock_ms` off (the send time, or the event's ts if later: Kafka's
+    CreateTime, so record times are not in order in the partition). No container before
+    `shape["empty_until"]`; events from `shape["outage"]` s on are sent at `shape["drain_ms"]`."""
+    c = Collector(inc=inc)
+    out = []
+    total = 0
+    for s in seconds:
+        total = totals.get(s, total)
+        true = T0 + s * 1000
+        states = [] if s < shape.get("empty_until", 0) else [state(1, row(1, total))]
+        hb = msgspec.structs.replace(c.heartbeat(true + clock_ms, *states), interval_ms=1000)
+        arrival = true
+        if shape.get("outage", NEVER_S) * 1000 <= true - T0 < shape.get("drain_ms", 0):
+            arrival = T0 + shape["drain_ms"]
+        out.append((arrival, max(arrival + clock_ms, hb.ts), node, hb))
+    return out
+
+
+def test_a_restart_whose_known_nodes_all_turn_idle_waits_for_a_node_silent_for_less() -> None:
+    """`x` (clock 1 s ahead) loses the broker at 21 s and drains its spool at 49.3 s; `b` (1 s
+    behind) sent its last event at 21 s. x's first drained event turns b idle, not x: this run
+    waits for x. A restart that read from after x's last event before the outage knew only b:
+    every node it knew was idle, its progress jumped past their newest event, and x's spool
+    was late there (cuts 45 to 54 read again from offset 41 and lost x's window at 20 s)."""
+    x = stamped(
+        "x", 1, range(100), {0: 100, 30: 400}, 1_000, empty_until=21, outage=21, drain_ms=49_300
+    )
+    b = stamped("b", 2, range(22), {0: 200, 21: 300}, -1_000)
+    msgs = [(rec, n, e) for _, rec, n, e in sorted(x + b, key=lambda m: m[0])]
+    last = max(i for i, (rec, n, _) in enumerate(msgs) if n == "x" and rec < T0 + 49_300)
+    at = resumes(msgs)
+    assert last == 40
+    # cuts 45 to 64 read again from x's last event before its outage, as the windows need
+    assert [cut for cut, resume in at.items() if resume == last] == list(range(45, 65))

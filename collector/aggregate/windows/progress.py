@@ -52,7 +52,7 @@ class _Node:
     """One node's progress in a source: newest event ts, newest record ts, active or idle; and,
     for restarts, its last event and its silences (see `Progress.held_back`)."""
 
-    __slots__ = ("active", "last", "rec", "silences", "top")
+    __slots__ = ("active", "jumped", "last", "rec", "silences", "top")
 
     def __init__(self, top: int, rec: int, last: int) -> None:
         self.top = top
@@ -64,6 +64,9 @@ class _Node:
         # silences through which it held back a progress that could otherwise have passed it
         # (`_Source.passes`), one per outage (`_silence`)
         self.silences: list[tuple[int, int, int]] = []
+        # Since its last event, the nodes read after it all turned idle while it was still
+        # active: a restart that did not know it could have jumped past it (`_turn_idle`).
+        self.jumped = False
 
 
 def _silence(n: _Node, end: int, rec: int) -> None:
@@ -171,7 +174,7 @@ class Progress:
             n is not None
             and n.active
             and offset >= 0 <= n.last
-            and s.passes(n.top, self._skew, self._lateness)
+            and (n.jumped or s.passes(n.top, self._skew, self._lateness))
         ):
             _silence(n, offset, s.rec)  # it held the source back through it
         if n is None or not n.active:
@@ -183,6 +186,7 @@ class Progress:
                 n.active = True
         if offset >= 0:
             n.last = offset
+            n.jumped = False
         if ts > s.newest:
             s.newest = ts
         if ts > n.top:
@@ -209,11 +213,24 @@ class Progress:
             if n.active:
                 if n.rec + idle <= rec:
                     n.active = False
-                    if n.last >= 0 and s.passes(n.top, self._skew, self._lateness):
+                    if n.last >= 0 and (n.jumped or s.passes(n.top, self._skew, self._lateness)):
                         _silence(n, offset, rec)
                 elif n.rec + idle < nxt:
                     nxt = n.rec + idle
         s.next_idle = nxt
+        # A restart that read from after the last event of the active node read last knows
+        # none but nodes idle now: its progress jumps past their newest event (`top`), and
+        # can pass that node, which this run's progress waits for.
+        last: _Node | None = None
+        for n in s.nodes.values():
+            if n.active and n.last >= 0 and (last is None or n.last > last.last):
+                last = n
+        if (
+            last is not None
+            and s.newest + self._idle_extra - self._lateness > last.top
+            and any(not n.active and n.last > last.last for n in s.nodes.values())
+        ):
+            last.jumped = True
 
     def watermark_top(self) -> int | None:
         """The smallest progress over the sources (None before any event counts)."""
