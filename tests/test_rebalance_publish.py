@@ -30,6 +30,8 @@ from test_file_replicas import wait_group_empty
 from collector.aggregate import service
 from collector.aggregate.damage import CheckpointError
 from collector.aggregate.service import AggregateSettings, run_kafka
+from collector.transport import consumer as consumer_module
+from collector.transport.fenced_offsets import GroupMembershipLost
 
 pytestmark = pytest.mark.kafka
 
@@ -45,6 +47,57 @@ def _replica(
     )  # fmt: skip
 
 
+REAL_SEND = AIOKafkaProducer.send
+
+
+async def a_held_while_b_joins(
+    bootstrap: str,
+    topic: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    msgs: list[Any],
+    hold_s: float,
+) -> tuple[asyncio.Task[Any], asyncio.Task[Any], asyncio.Event, asyncio.Event]:
+    """Replicas "a" and "b" of one group over `msgs` on 2 partitions: a's first
+    transaction with records is held `hold_s` at its first billing send, and b starts while it
+    is. Returns a, b, the event that stops both, and the event set when the hold is over."""
+    billing = f"{topic}.billing"
+    held, over = asyncio.Event(), asyncio.Event()
+
+    async def send(self: AIOKafkaProducer, to: str, *args: Any, **kwargs: Any) -> Any:
+        if to == billing and not held.is_set():
+            held.set()
+            await asyncio.sleep(hold_s)
+            over.set()
+        return await REAL_SEND(self, to, *args, **kwargs)
+
+    await create_topic(bootstrap, topic, 2)
+    await create_topic(bootstrap, billing, 1)
+    await produce(bootstrap, topic, msgs)
+    monkeypatch.setattr(AIOKafkaProducer, "send", send)
+    stop = asyncio.Event()
+    a = asyncio.create_task(run_kafka(_replica(bootstrap, topic, tmp_path, "a"), stop))
+    await asyncio.wait_for(held.wait(), 60)
+    b = asyncio.create_task(run_kafka(_replica(bootstrap, topic, tmp_path, "b"), stop))
+    return a, b, stop, over
+
+
+async def drain_once_empty(bootstrap: str, topic: str, tmp_path: Path) -> None:
+    """One replica drains what is left, as in a redeployment (once the static members'
+    sessions have expired: until then each keeps its partitions)."""
+    AIOKafkaProducer.send = REAL_SEND  # type: ignore[method-assign]
+    await wait_group_empty(bootstrap, f"{topic}.g")
+    await run_kafka(_replica(bootstrap, topic, tmp_path, "a", drain=True), asyncio.Event())
+
+
+def billed_once(bootstrap: str, topic: str, msgs: list[Any]) -> None:
+    """Every record of `msgs` is on the billing topic, once."""
+    got = sorted(asyncio.run(read_billing(bootstrap, f"{topic}.billing")), key=sort_key)
+    ids = [r.record_id for r in got]
+    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} records published twice"
+    assert got == sorted(reference(msgs), key=sort_key)
+
+
 @pytest.mark.parametrize("hold_s", [10.0, 15.0])
 def test_a_partition_revoked_mid_publish_is_billed_once(
     kafka_bootstrap: str,
@@ -56,50 +109,53 @@ def test_a_partition_revoked_mid_publish_is_billed_once(
     """15 s: longer than the session timeout, which aiokafka takes for the rebalance timeout
     unless told otherwise; the member was dropped mid-commit and its partitions given out
     with the offsets from before it."""
-    t0 = recent_t0(300)
-    msgs = build(tmp_path / "nodes", t0)
-    billing = f"{kafka_topic}.billing"
-    group = f"{kafka_topic}.g"
 
-    def settings(instance: str, drain: bool = False) -> AggregateSettings:
-        return _replica(kafka_bootstrap, kafka_topic, tmp_path, instance, drain)
-
-    real_send = AIOKafkaProducer.send
-    held = asyncio.Event()
-    joined: list[float] = []
-
-    async def send(self: AIOKafkaProducer, topic: str, *args: Any, **kwargs: Any) -> Any:
-        if topic == billing and not held.is_set():
-            held.set()  # the first transaction with records: hold it while b joins
-            await asyncio.sleep(hold_s)
-            joined.append(time.monotonic())
-        return await real_send(self, topic, *args, **kwargs)
+    msgs = build(tmp_path / "nodes", recent_t0(300))
 
     async def scenario() -> None:
-        await create_topic(kafka_bootstrap, kafka_topic, 2)
-        await create_topic(kafka_bootstrap, billing, 1)
-        await produce(kafka_bootstrap, kafka_topic, msgs)
-        monkeypatch.setattr(AIOKafkaProducer, "send", send)
-        stop = asyncio.Event()
-        a = asyncio.create_task(run_kafka(settings("a"), stop))
-        await asyncio.wait_for(held.wait(), 60)
-        b = asyncio.create_task(run_kafka(settings("b"), stop))
-        while not joined:  # a's transaction goes on once the hold is over
-            await asyncio.sleep(0.1)
+        a, b, stop, over = await a_held_while_b_joins(
+            kafka_bootstrap, kafka_topic, tmp_path, monkeypatch, msgs, hold_s
+        )
+        await over.wait()  # a's transaction goes on once the hold is over
         await asyncio.sleep(5)  # b catches up on what it was given
         stop.set()
         await asyncio.gather(a, b)
-        # then one replica drains what is left, as in a redeployment (once the static members'
-        # sessions have expired: until then each keeps its partitions)
-        monkeypatch.setattr(AIOKafkaProducer, "send", real_send)
-        await wait_group_empty(kafka_bootstrap, group)
-        await run_kafka(settings("a", drain=True), asyncio.Event())
+        await drain_once_empty(kafka_bootstrap, kafka_topic, tmp_path)
 
     asyncio.run(scenario())
-    got = sorted(asyncio.run(read_billing(kafka_bootstrap, billing)), key=sort_key)
-    ids = [r.record_id for r in got]
-    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} records published twice"
-    assert got == sorted(reference(msgs), key=sort_key)
+    billed_once(kafka_bootstrap, kafka_topic, msgs)
+
+
+def test_a_commit_held_past_the_rebalance_timeout_is_refused_not_billed_twice(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "a"'s first transaction with records is held longer than the rebalance timeout (8 s
+    here, 120 s in service) while "b" joins: the group drops a and gives b every partition
+    with the offsets from before a's transaction. a's offsets then name a member the group no
+    longer has, and the coordinator refuses them: a's transaction is aborted (its replica
+    stops with GroupMembershipLost) and b bills every window once. With aiokafka's own
+    TxnOffsetCommit (v0, no member) a's transaction committed: 80 records twice."""
+    monkeypatch.setattr(consumer_module, "REBALANCE_TIMEOUT_MS", 8_000)
+    msgs = build(tmp_path / "nodes", recent_t0(300))
+
+    async def scenario() -> BaseException | None:
+        a, b, stop, _ = await a_held_while_b_joins(
+            kafka_bootstrap, kafka_topic, tmp_path, monkeypatch, msgs, 20.0
+        )
+        await asyncio.wait([a], timeout=60)
+        await asyncio.sleep(3)  # b catches up on what it was given
+        stop.set()
+        error, _ = await asyncio.gather(a, b, return_exceptions=True)
+        await drain_once_empty(kafka_bootstrap, kafka_topic, tmp_path)
+        return error if isinstance(error, BaseException) else None
+
+    error = asyncio.run(scenario())
+    # (read as soon as the drain ends: a's abort ended its transaction; had it been left to
+    # time out, the drain's records would not be readable yet)
+    billed_once(kafka_bootstrap, kafka_topic, msgs)
+    assert isinstance(error, GroupMembershipLost), repr(error)
+    group = f"{kafka_topic}.g"
+    assert f"group {group} refused the offsets of {kafka_topic} partition" in str(error)
 
 
 def test_a_drain_that_gains_a_partition_reads_it_to_its_end(
@@ -289,7 +345,10 @@ def test_a_replica_taking_over_stays_alive_while_its_checkpoint_is_unstable(
     """Replica "b" goes away long after start-up and "a" is assigned its partition while a
     transaction holds the group's offsets unstable: a's rebalance listener waits for them, in
     aiokafka's task, which hands the assignment to `getmany` first. a's input loop goes on
-    turning through the wait: /healthz does not restart the replica taking over."""
+    turning through the wait: /healthz does not restart the replica taking over. (aiokafka
+    sends no heartbeat while the listener waits: with a session shorter than the wait, the
+    group drops a and refuses its next commit, `test_a_commit_held_past_...`.)"""
+    monkeypatch.setattr(consumer_module, "SESSION_TIMEOUT_MS", 20_000)
     group = f"{kafka_topic}.g"
     tps = [TopicPartition(kafka_topic, p) for p in (0, 1)]
     waits: list[tuple[float, float | None]] = []

@@ -541,6 +541,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     from aiokafka.structs import OffsetAndMetadata
 
     from ..transport.consumer import ConsumerSettings, make_consumer
+    from ..transport.fenced_offsets import commit_offsets_as_member
     from ..transport.kafka import wait_for_broker
 
     assert settings.kafka is not None
@@ -573,6 +574,10 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         compression_type="gzip",
         **security(),
     )
+    # Its offsets name this member of the group: a member the group has dropped (a commit
+    # held past the rebalance timeout) has its transaction refused, not committed after the
+    # partitions' new owner has read from before it.
+    commit_offsets_as_member(producer, consumer)
 
     # Held from the first await of a `publish` to its commit: aiokafka runs the rebalance
     # listener in its own task, and a partition revoked in between would have its records

@@ -42,6 +42,11 @@ class ConsumerSettings:
 
 
 REBALANCE_TIMEOUT_MS = 120_000  # how long a rebalance waits for a member to rejoin
+# aiokafka's default, named: aiokafka sends no heartbeat while the assignment listener runs,
+# so a member whose listener waits longer (for a stable checkpoint: see the aggregator's
+# `committed_offsets`) is dropped from the group; its next transactional commit is refused
+# (`fenced_offsets`) and the replica stops rather than bill twice.
+SESSION_TIMEOUT_MS = 10_000
 
 
 def make_consumer(s: ConsumerSettings) -> AIOKafkaConsumer:
@@ -54,6 +59,7 @@ def make_consumer(s: ConsumerSettings) -> AIOKafkaConsumer:
         # given out with the offsets from before the transaction, which then still committed
         # (aiokafka's transactional offsets carry no generation to fence it): billed twice.
         group["rebalance_timeout_ms"] = REBALANCE_TIMEOUT_MS
+        group["session_timeout_ms"] = SESSION_TIMEOUT_MS
         if s.group_instance_id is not None:
             group["group_instance_id"] = s.group_instance_id
     return AIOKafkaConsumer(
