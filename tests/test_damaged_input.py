@@ -145,6 +145,31 @@ def test_intact_log_says_no_damage(tmp_path: Path, stream: list[Msg]) -> None:
     assert "damage: none" in err
 
 
+def test_an_event_kind_from_a_newer_collector_is_undecodable_and_its_seq_a_gap(
+    tmp_path: Path, stream: list[Msg]
+) -> None:
+    """A collector newer than its aggregator may send a kind the aggregator does not know,
+    with schema version 1 (README: upgrade the aggregators first). One of node-a's events, its
+    tag made 99: counted undecodable, its seq missing, and `--drain` exits 3."""
+    at = next(i for i, m in enumerate(stream) if m.key == b"node-a" and i > len(stream) // 2)
+    raw = msgspec.msgpack.decode(stream[at].value)
+    raw[0] = 99
+    newer = Msg(stream[at].key, msgspec.msgpack.encode(raw), stream[at].ts)
+    log = tmp_path / "log"
+    write_log(log, [*stream[:at], newer, *stream[at + 1 :]])
+    rc, err = aggregate(log, tmp_path / "a.csv")
+    assert rc == EXIT_DAMAGED, err
+    assert " undecodable=1 unknown_schema=0;" in err
+    assert damage_of(err) == {
+        "corrupt_frames": 0,
+        "missing_records": 0,
+        "missing_segments": 0,
+        "torn_tail_bytes": 0,
+        "seq_gaps": 1,
+        "seq_missing": 1,
+    }
+
+
 @pytest.mark.parametrize("how", DAMAGES)
 def test_damaged_log_exits_3_naming_the_damage(tmp_path: Path, stream: list[Msg], how: str) -> None:
     log = tmp_path / "log"
