@@ -26,15 +26,9 @@ from aiokafka.client import CoordinationType
 from aiokafka.errors import GroupAuthorizationFailedError, KafkaError
 from aiokafka.producer.sender import TxnOffsetCommitHandler
 from aiokafka.protocol.api import Request, RequestStruct, Response
-from aiokafka.protocol.types import (
-    CompactArray,
-    CompactString,
-    Int16,
-    Int32,
-    Int64,
-    Schema,
-    TaggedFields,
-)
+from aiokafka.protocol.types import Int16, Int32, Int64, Schema
+
+from .flexible import STRING, TAGS, per_partition
 
 __all__ = ["GroupMembershipLost", "Membership", "commit_offsets_as_member"]
 
@@ -56,20 +50,8 @@ class _TxnOffsetCommitResponseV3(Response):  # type: ignore[misc]
     API_VERSION = 3
     SCHEMA = Schema(
         ("throttle_time_ms", Int32),
-        (
-            "topics",
-            CompactArray(
-                ("name", CompactString("utf-8")),
-                (
-                    "partitions",
-                    CompactArray(
-                        ("partition_index", Int32), ("error_code", Int16), ("tags", TaggedFields)
-                    ),
-                ),
-                ("tags", TaggedFields),
-            ),
-        ),
-        ("tags", TaggedFields),
+        per_partition(("partition_index", Int32), ("error_code", Int16)),
+        TAGS,
     )
 
 
@@ -79,31 +61,20 @@ class _TxnOffsetCommitRequestV3(RequestStruct):  # type: ignore[misc]
     FLEXIBLE_VERSION = True
     RESPONSE_TYPE = _TxnOffsetCommitResponseV3
     SCHEMA = Schema(
-        ("transactional_id", CompactString("utf-8")),
-        ("group_id", CompactString("utf-8")),
+        ("transactional_id", STRING),
+        ("group_id", STRING),
         ("producer_id", Int64),
         ("producer_epoch", Int16),
         ("generation_id", Int32),
-        ("member_id", CompactString("utf-8")),
-        ("group_instance_id", CompactString("utf-8")),  # (nullable: None encodes as null)
-        (
-            "topics",
-            CompactArray(
-                ("name", CompactString("utf-8")),
-                (
-                    "partitions",
-                    CompactArray(
-                        ("partition_index", Int32),
-                        ("committed_offset", Int64),
-                        ("committed_leader_epoch", Int32),
-                        ("committed_metadata", CompactString("utf-8")),
-                        ("tags", TaggedFields),
-                    ),
-                ),
-                ("tags", TaggedFields),
-            ),
+        ("member_id", STRING),
+        ("group_instance_id", STRING),
+        per_partition(
+            ("partition_index", Int32),
+            ("committed_offset", Int64),
+            ("committed_leader_epoch", Int32),
+            ("committed_metadata", STRING),
         ),
-        ("tags", TaggedFields),
+        TAGS,
     )
 
 

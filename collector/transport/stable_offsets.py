@@ -19,17 +19,10 @@ from typing import Any
 
 from aiokafka.errors import for_code
 from aiokafka.protocol.api import Request, RequestStruct, Response
-from aiokafka.protocol.types import (
-    Boolean,
-    CompactArray,
-    CompactString,
-    Int16,
-    Int32,
-    Int64,
-    Schema,
-    TaggedFields,
-)
+from aiokafka.protocol.types import Boolean, CompactArray, Int16, Int32, Int64, Schema
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+from .flexible import STRING, TAGS, per_partition
 
 __all__ = ["UNSTABLE_OFFSET_COMMIT", "UnstableOffsets", "fetch_stable_offsets"]
 
@@ -45,26 +38,15 @@ class _OffsetFetchResponseV7(Response):  # type: ignore[misc]
     API_VERSION = 7
     SCHEMA = Schema(
         ("throttle_time_ms", Int32),
-        (
-            "topics",
-            CompactArray(
-                ("name", CompactString("utf-8")),
-                (
-                    "partitions",
-                    CompactArray(
-                        ("partition_index", Int32),
-                        ("committed_offset", Int64),
-                        ("committed_leader_epoch", Int32),
-                        ("metadata", CompactString("utf-8")),
-                        ("error_code", Int16),
-                        ("tags", TaggedFields),
-                    ),
-                ),
-                ("tags", TaggedFields),
-            ),
+        per_partition(
+            ("partition_index", Int32),
+            ("committed_offset", Int64),
+            ("committed_leader_epoch", Int32),
+            ("metadata", STRING),
+            ("error_code", Int16),
         ),
         ("error_code", Int16),
-        ("tags", TaggedFields),
+        TAGS,
     )
 
 
@@ -74,17 +56,13 @@ class _OffsetFetchRequestV7(RequestStruct):  # type: ignore[misc]
     FLEXIBLE_VERSION = True
     RESPONSE_TYPE = _OffsetFetchResponseV7
     SCHEMA = Schema(
-        ("group_id", CompactString("utf-8")),
+        ("group_id", STRING),
         (
             "topics",
-            CompactArray(
-                ("name", CompactString("utf-8")),
-                ("partition_indexes", CompactArray(Int32)),
-                ("tags", TaggedFields),
-            ),
+            CompactArray(("name", STRING), ("partition_indexes", CompactArray(Int32)), TAGS),
         ),
         ("require_stable", Boolean),
-        ("tags", TaggedFields),
+        TAGS,
     )
 
 
