@@ -155,6 +155,9 @@ def commit_offsets_as_member(producer: AIOKafkaProducer, consumer: AIOKafkaConsu
     `consumer`'s group membership at the time of each request."""
     membership = _membership_of(consumer)
     sender = producer._sender
+    if not callable(getattr(sender, "_do_txn_offset_commit", None)):
+        # (a later aiokafka: its commits would go out unfenced, unnoticed)
+        raise RuntimeError("aiokafka's sender has no _do_txn_offset_commit to replace")
 
     async def txn_offset_commit(offsets: dict[Any, Any], group_id: str) -> None:
         # (aiokafka's `Sender._do_txn_offset_commit`, with the request above)
