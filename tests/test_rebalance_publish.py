@@ -127,7 +127,11 @@ def test_a_partition_revoked_mid_publish_is_billed_once(
 
 
 def test_a_commit_held_past_the_rebalance_timeout_is_refused_not_billed_twice(
-    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kafka_bootstrap: str,
+    kafka_topic: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """ "a"'s first transaction with records is held longer than the rebalance timeout (8 s
     here, 120 s in service) while "b" joins: the group drops a and gives b every partition
@@ -156,6 +160,8 @@ def test_a_commit_held_past_the_rebalance_timeout_is_refused_not_billed_twice(
     assert isinstance(error, GroupMembershipLost), repr(error)
     group = f"{kafka_topic}.g"
     assert f"group {group} refused the offsets of {kafka_topic} partition" in str(error)
+    assert "is no longer in the group): the transaction is aborted" in str(error)
+    assert "never retrieved" not in caplog.text  # the one line, no asyncio traceback
 
 
 def test_a_drain_that_gains_a_partition_reads_it_to_its_end(

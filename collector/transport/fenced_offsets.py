@@ -123,23 +123,7 @@ class _Handler(TxnOffsetCommitHandler):  # type: ignore[misc]
         for topic, partitions, _ in resp.topics:
             for partition, code, _ in partitions:
                 if code in _NOT_A_MEMBER:
-                    generation, member, _instance = self._member
-                    txn = self._sender._txn_manager
-                    # aiokafka forgets on an error what the transaction holds, and its abort
-                    # then sends nothing: the records would stay pending on the broker (every
-                    # read_committed reader of the billing topic held at them) until the
-                    # transaction timed out. Kept, so that the abort ends it.
-                    holds, group = set(txn.txn_partitions), txn._txn_consumer_group
-                    txn.error_transaction(
-                        GroupMembershipLost(
-                            f"group {self._group_id} refused the offsets of {topic} partition "
-                            f"{partition} ({_NOT_A_MEMBER[code]}: member {member or '-'} of "
-                            f"generation {generation} is no longer in the group): the "
-                            "transaction is aborted, the partitions' new owner bills them"
-                        )
-                    )
-                    txn.txn_partitions.update(holds)
-                    txn._txn_consumer_group = group
+                    self._refused(f"{topic} partition {partition}", _NOT_A_MEMBER[code])
                     return None
 
         # Every other answer as aiokafka's own handler takes it (its v0 response's shape).
@@ -148,6 +132,29 @@ class _Handler(TxnOffsetCommitHandler):  # type: ignore[misc]
 
         result: float | None = super().handle_response(_V0)
         return result
+
+    def _refused(self, partition: str, error: str) -> None:
+        generation, member, _instance = self._member
+        # (aiokafka forgets a member the coordinator no longer knows before it rejoins)
+        who = f"member {member} of generation {generation}" if member else "this replica"
+        txn = self._sender._txn_manager
+        # aiokafka forgets on an error what the transaction holds, and its abort then sends
+        # nothing: the records would stay pending on the broker (every read_committed reader
+        # of the billing topic held at them) until the transaction timed out. Kept, so that
+        # the abort ends it.
+        holds, group = set(txn.txn_partitions), txn._txn_consumer_group
+        txn.error_transaction(
+            GroupMembershipLost(
+                f"group {self._group_id} refused the offsets of {partition} ({error}: {who} is "
+                "no longer in the group): the transaction is aborted, the partitions' new "
+                "owner bills them"
+            )
+        )
+        txn.txn_partitions.update(holds)
+        txn._txn_consumer_group = group
+        # The waiter holds the error too; the caller gets it from its offsets and aborts,
+        # which replaces the waiter: taken here, or asyncio logs it as never retrieved.
+        txn.wait_for_transaction_end().exception()
 
 
 def commit_offsets_as_member(producer: AIOKafkaProducer, consumer: AIOKafkaConsumer) -> None:
