@@ -57,7 +57,8 @@ def make_consumer(s: ConsumerSettings) -> AIOKafkaConsumer:
         # aggregator's rebalance listener). aiokafka's default is the session timeout (10 s):
         # a commit that took longer got the member dropped from the group, its partitions
         # given out with the offsets from before the transaction, which then still committed
-        # (aiokafka's transactional offsets carry no generation to fence it): billed twice.
+        # (aiokafka's own transactional offsets carry no generation to fence it; see
+        # `fenced_offsets` for the commit that does): billed twice.
         group["rebalance_timeout_ms"] = REBALANCE_TIMEOUT_MS
         group["session_timeout_ms"] = SESSION_TIMEOUT_MS
         if s.group_instance_id is not None:

@@ -30,7 +30,10 @@ the others' events move on) held this run back, but would not hold the restart b
 restart would close windows this run kept open for it, and bill its spool, drained later, as
 late. So each node remembers the silences through which it held back a progress that could
 otherwise have passed it, and the restart offset is moved out of them and out of every active
-node's silence since its last event (`held_back`). A silence ends with the node's next event
+node's silence since its last event (`held_back`). A restart that read from after the active
+node read last while every node read after it turned idle would know only idle nodes, and its
+progress would jump past their newest event as an all-idle source's does: that node's silence
+counts too (`_Node.jumped`). A silence ends with the node's next event
 that is no longer behind (so a drained spool is part of its outage) or when the node turned
 idle (an idle node holds nothing back); one that ended more than `max_skew_ms` +
 `idle_extra_ms` - `lateness_ms` of record time before the closed end is forgotten (`forget`).
