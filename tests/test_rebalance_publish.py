@@ -349,12 +349,11 @@ def test_a_replica_taking_over_stays_alive_while_its_checkpoint_is_unstable(
     kafka_bootstrap: str, kafka_topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Replica "b" goes away long after start-up and "a" is assigned its partition while a
-    transaction holds the group's offsets unstable: a's rebalance listener waits for them, in
-    aiokafka's task, which hands the assignment to `getmany` first. a's input loop goes on
-    turning through the wait: /healthz does not restart the replica taking over. (aiokafka
-    sends no heartbeat while the listener waits: with a session shorter than the wait, the
-    group drops a and refuses its next commit, `test_a_commit_held_past_...`.)"""
-    monkeypatch.setattr(consumer_module, "SESSION_TIMEOUT_MS", 20_000)
+    transaction holds the group's offsets unstable: a waits for them with the partitions
+    paused. a's input loop goes on turning through the wait: /healthz does not restart the
+    replica taking over. The wait (12 s) is longer than the session (10 s): a that waited in
+    the rebalance listener, where aiokafka sends no heartbeat, was dropped from the group, and
+    its next commit refused (GroupMembershipLost); now it stays a member and commits."""
     group = f"{kafka_topic}.g"
     tps = [TopicPartition(kafka_topic, p) for p in (0, 1)]
     waits: list[tuple[float, float | None]] = []
@@ -397,6 +396,7 @@ def test_a_replica_taking_over_stays_alive_while_its_checkpoint_is_unstable(
             await txp.abort_transaction()
         while waits[-1][1] is None:
             await asyncio.sleep(0.1)
+        await asyncio.sleep(service.COMMIT_INTERVAL_S + 2)  # a commits as a member
         stop_a.set()
         await a
         started, ended = waits[-1]

@@ -585,8 +585,58 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     # waits for the commit instead, so the next owner starts from it.
     publishing = asyncio.Lock()
 
+    # An assignment is positioned by its own task, not in the listener: aiokafka sends no
+    # heartbeat while the listener runs, and the wait for a stable checkpoint (a previous owner
+    # killed inside a transaction: up to its transaction timeout) could outlast the session,
+    # and the group dropped the member. Its partitions are paused until they are positioned.
+    placing: list[asyncio.Task[None]] = []
+
+    async def place(assigned: list[TopicPartition]) -> None:
+        # Every await comes first; then, with no await in between, each partition is
+        # positioned (what was fetched before is read again from there) and gets its
+        # aggregator: a non-empty `aggs` is the whole assignment (drain end offsets, file
+        # resume points).
+        try:
+            committed = await committed_offsets(
+                admin, settings.group, assigned, settings.checkpoint_wait_s
+            )
+        except CheckpointError as exc:
+            failed.append(exc)  # the service stops
+            return
+        fresh = await start_offsets(consumer, assigned, settings.start_from)
+        gained = await consumer.end_offsets(assigned) if settings.drain else {}
+        ends.update(gained)
+        for tp in assigned:
+            om = committed.get(tp)
+            try:
+                where = f"checkpoint of group {settings.group} partition {tp.partition}"
+                meta = parse_checkpoint(om.metadata if om is not None else None, where)
+                check_window(meta, settings.window.window_ms, where)
+            except CheckpointError as exc:
+                failed.append(exc)
+                return
+            if om is not None and om.metadata and outputs is not None:
+                outputs.learn(meta)
+            start = om.offset if om is not None and om.offset >= 0 else fresh[tp]
+            consumer.seek(tp, start)
+            positions[tp] = start
+            aggs[tp] = tally.aggregator(tp.partition, meta.emitted_until_ms)
+            settings.stats.damage.forget_source(tp.partition)
+        consumer.resume(*assigned)
+
+    def placed() -> bool:
+        """Whether every assignment is positioned; what positioning one raised, raised."""
+        for task in placing:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return all(task.done() for task in placing)
+
     class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+            for task in placing:  # (an assignment not positioned yet goes with it)
+                task.cancel()
+            await asyncio.gather(*placing, return_exceptions=True)
+            placing.clear()
             async with publishing:
                 for tp in revoked:
                     agg = aggs.pop(tp, None)
@@ -596,42 +646,11 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     ends.pop(tp, None)
 
         async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-            # aiokafka already hands out records of the new partitions while this runs, and
-            # the main loop skips those of a partition it has no aggregator for. So every
-            # await comes first; then, with no await in between, each partition is positioned
-            # (what was fetched or skipped before is read again from there) and gets its
-            # aggregator: a non-empty `aggs` is the whole assignment (drain end offsets, file
-            # resume points).
-            if not assigned:
-                return
-            try:
-                committed = await committed_offsets(
-                    admin, settings.group, list(assigned), settings.checkpoint_wait_s
-                )
-            except CheckpointError as exc:
-                # Raised here, aiokafka would log it and go on without these partitions:
-                # never read, never committed, until the next rebalance. The service stops.
-                failed.append(exc)
-                return
-            fresh = await start_offsets(consumer, list(assigned), settings.start_from)
-            gained = await consumer.end_offsets(list(assigned)) if settings.drain else {}
-            ends.update(gained)
-            for tp in assigned:
-                om = committed.get(tp)
-                try:
-                    where = f"checkpoint of group {settings.group} partition {tp.partition}"
-                    meta = parse_checkpoint(om.metadata if om is not None else None, where)
-                    check_window(meta, settings.window.window_ms, where)
-                except CheckpointError as exc:
-                    failed.append(exc)
-                    return
-                if om is not None and om.metadata and outputs is not None:
-                    outputs.learn(meta)
-                start = om.offset if om is not None and om.offset >= 0 else fresh[tp]
-                consumer.seek(tp, start)
-                positions[tp] = start
-                aggs[tp] = tally.aggregator(tp.partition, meta.emitted_until_ms)
-                settings.stats.damage.forget_source(tp.partition)
+            # aiokafka already hands out records of the new partitions while this runs; the
+            # main loop skips those of a partition it has no aggregator for
+            if assigned:
+                consumer.pause(*assigned)
+                placing.append(asyncio.create_task(place(list(assigned))))
 
     async def publish(outputs: Outputs, records: list[BillingRecord]) -> None:
         """Files first (cut back on restart), then records and offsets in one transaction: the
@@ -695,6 +714,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         # gives it nothing, and the rebalance listener may wait here for a stable checkpoint
         # (bounded: CheckpointError): alive meanwhile, as the main loop is with no partition.
         while not aggs and not stopping.is_set() and not failed:
+            placed()
             settings.liveness.beat()
             await asyncio.sleep(0.05)
         if failed:
@@ -724,7 +744,8 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     agg.idle(clock)
             if failed:
                 raise failed[0]
-            done = settings.drain and await _caught_up(consumer, ends)
+            ready = placed()
+            done = settings.drain and ready and await _caught_up(consumer, ends)
             records = _sorted(
                 r for agg in aggs.values() for r in (agg.flush() if done else agg.advance())
             )
@@ -741,6 +762,9 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         raising = True
         raise
     finally:
+        for task in placing:
+            task.cancel()
+        await asyncio.gather(*placing, return_exceptions=True)
         if outputs is not None:
             try:
                 outputs.close(after_error=raising)  # (the last OTLP push, which the line counts)

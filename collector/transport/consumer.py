@@ -42,11 +42,6 @@ class ConsumerSettings:
 
 
 REBALANCE_TIMEOUT_MS = 120_000  # how long a rebalance waits for a member to rejoin
-# aiokafka's default, named: aiokafka sends no heartbeat while the assignment listener runs,
-# so a member whose listener waits longer (for a stable checkpoint: see the aggregator's
-# `committed_offsets`) is dropped from the group; its next transactional commit is refused
-# (`fenced_offsets`) and the replica stops rather than bill twice.
-SESSION_TIMEOUT_MS = 10_000
 
 
 def make_consumer(s: ConsumerSettings) -> AIOKafkaConsumer:
@@ -60,7 +55,6 @@ def make_consumer(s: ConsumerSettings) -> AIOKafkaConsumer:
         # (aiokafka's own transactional offsets carry no generation to fence it; see
         # `fenced_offsets` for the commit that does): billed twice.
         group["rebalance_timeout_ms"] = REBALANCE_TIMEOUT_MS
-        group["session_timeout_ms"] = SESSION_TIMEOUT_MS
         if s.group_instance_id is not None:
             group["group_instance_id"] = s.group_instance_id
     return AIOKafkaConsumer(
