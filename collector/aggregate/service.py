@@ -711,8 +711,9 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         # Wait for the first assignment. The group join runs in aiokafka's own task; a getmany
         # here would hand out (and this loop drop) records of partitions being assigned. A
         # replica on standby (more replicas than partitions) waits here as long as its group
-        # gives it nothing, and the rebalance listener may wait here for a stable checkpoint
-        # (bounded: CheckpointError): alive meanwhile, as the main loop is with no partition.
+        # gives it nothing, and its first assignment's placement may wait here for a stable
+        # checkpoint (bounded: CheckpointError): alive meanwhile, as the main loop is with no
+        # partition.
         while not aggs and not stopping.is_set() and not failed:
             placed()
             settings.liveness.beat()
