@@ -624,6 +624,16 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             settings.stats.damage.forget_source(tp.partition)
         consumer.resume(*assigned)
 
+    async def unplace() -> None:
+        """Cancel the placements not done (their partitions are being taken away, or the
+        service stops); an error one of them ended with is logged, not lost."""
+        for task in placing:
+            task.cancel()
+        for result in await asyncio.gather(*placing, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.warning("placing an assignment failed before it was revoked: %r", result)
+        placing.clear()
+
     def placed() -> bool:
         """Whether every assignment is positioned; what positioning one raised, raised."""
         for task in placing:
@@ -633,10 +643,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
 
     class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-            for task in placing:  # (an assignment not positioned yet goes with it)
-                task.cancel()
-            await asyncio.gather(*placing, return_exceptions=True)
-            placing.clear()
+            await unplace()  # (an assignment not positioned yet goes with it)
             async with publishing:
                 for tp in revoked:
                     agg = aggs.pop(tp, None)
@@ -745,7 +752,9 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     agg.idle(clock)
             if failed:
                 raise failed[0]
-            ready = placed()
+            # (a drain is done only once every partition aiokafka assigned is placed: it can
+            # hand out a batch after an assignment, before it calls the listener)
+            ready = placed() and consumer.assignment() == aggs.keys()
             done = settings.drain and ready and await _caught_up(consumer, ends)
             records = _sorted(
                 r for agg in aggs.values() for r in (agg.flush() if done else agg.advance())
@@ -763,9 +772,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         raising = True
         raise
     finally:
-        for task in placing:
-            task.cancel()
-        await asyncio.gather(*placing, return_exceptions=True)
+        await unplace()
         if outputs is not None:
             try:
                 outputs.close(after_error=raising)  # (the last OTLP push, which the line counts)
@@ -773,6 +780,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 counted = tally.stats(aggs.values()), tally.future_by_node(aggs.values())
                 log.info("%s", report(settings, *counted, outputs.written, outputs.otlp))
         await consumer.stop()
+        await unplace()  # (one its last join started)
         await producer.stop()
         await admin.close()
     return outputs if outputs is not None else Outputs()
