@@ -5,15 +5,22 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+from decimal import Decimal
 from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from collector.aggregate.billing import decode_billing
 from collector.aggregate.records import (
     CSV_FIELDS,
+    RECORD_VERSION,
+    SINCE_VERSION,
     BillingRecord,
     csv_row,
+    from_json,
     from_msgpack,
     iso_utc,
     jsonl_line,
@@ -191,6 +198,45 @@ def test_msgpack_round_trip() -> None:
     r = record()
     assert from_msgpack(to_msgpack(r)) == r
     assert to_msgpack(r) == to_msgpack(record())
+
+
+# Added after the first records, before versions: what a record without a version must carry.
+CARRIED = [f for f in BillingRecord.__struct_fields__ if f not in SINCE_VERSION and f != "version"]
+DECODERS = {
+    "json": (from_json, msgspec.json.encode),
+    "msgpack": (from_msgpack, msgspec.msgpack.encode),
+}
+
+
+@pytest.mark.parametrize("codec", sorted(DECODERS))
+@given(left_out=st.sets(st.sampled_from(CARRIED)))
+def test_a_record_without_a_version_is_version_1_and_must_carry_the_rest(
+    codec: str, left_out: set[str]
+) -> None:
+    """A record written before versions existed reads as version 1, as its CSV does (the
+    default used to be the current version: reserved-idle read as measured, and 0). Without a
+    field every version carries it is no record: the first records had no kind or allocation."""
+    decode, encode = DECODERS[codec]
+    current = record(
+        kind="container", allocated_gpu_seconds=30.5, reserved_idle_gpu_seconds=12.25,
+        version=RECORD_VERSION, labels={"team": "a"},
+    )  # fmt: skip
+    assert decode(encode(current)) == current
+    obj = msgspec.to_builtins(current)
+    for name in [*SINCE_VERSION, "version", *left_out]:
+        del obj[name]
+    if not left_out:
+        old = decode(encode(obj))
+        assert old == msgspec.structs.replace(
+            current, version=1, reserved_idle_gpu_seconds=Decimal("0.000")
+        )
+        assert decode_billing(encode(obj)) == old
+        return
+    first = min(left_out, key=CARRIED.index)
+    with pytest.raises(msgspec.ValidationError, match=f"^Object missing required field `{first}`$"):
+        decode(encode(obj))
+    with pytest.raises(msgspec.ValidationError):
+        decode_billing(encode(obj))
 
 
 def read_csv(path: Path) -> list[list[str]]:

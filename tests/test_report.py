@@ -228,6 +228,12 @@ def test_records_before_reserved_idle_are_not_counted_as_idle(pipeline: Path) ->
             obj = msgspec.json.decode(line)
             del obj["reserved_idle_gpu_seconds"]
             out.write(msgspec.json.encode({**obj, "version": 1}) + b"\n")
+    # JSON Lines written before records had a version: the same records, read as version 1
+    with (pipeline / "v1.jsonl").open("rb") as f, (pipeline / "v0.jsonl").open("wb") as out:
+        for line in f:
+            obj = msgspec.json.decode(line)
+            del obj["version"]
+            out.write(msgspec.json.encode(obj) + b"\n")
     # a Parquet part written before the column existed: it reads as null, its version says 1
     for part in (pipeline / "pq").glob("day=*/part-*.parquet"):
         old = pq.read_table(part).drop_columns(["reserved_idle_gpu_seconds"])
@@ -242,13 +248,14 @@ def test_records_before_reserved_idle_are_not_counted_as_idle(pipeline: Path) ->
         ["--csv", pipeline / "v1.csv"],
         ["--jsonl", pipeline / "v1.jsonl"],
         ["--parquet", pipeline / "pq1"],
+        ["--jsonl", pipeline / "v0.jsonl"],
     )
     for src in sources:
         stdout, text = report(pipeline, *src, "--by", "pod", "--html", page)
         assert "reserved-idle not measured for 2.500000 GPU-h" in stdout, stdout
         assert "Not measured for 2.500000 GPU-h" in page.read_text()
         texts.append(text)
-    assert texts[0] == texts[1] == texts[2]
+    assert texts[0] == texts[1] == texts[2] == texts[3]
     rows = report_rows(texts[0])
     assert {r["gpu_hours_reserved_idle"] for r in rows.values() if r["kind"] == "group"} == {
         "0.000000"
@@ -843,6 +850,29 @@ def test_a_jsonl_number_no_record_can_hold_is_one_line_and_exit_1(
     path.write_bytes(b"".join(msgspec.json.encode(x) + b"\n" for x in lines))
     proc = hami("report", *SPAN, "--jsonl", path)
     expected = f"hami-usage report: {path}:1: not a billing record: {message}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+
+
+def test_jsonl_records_from_before_kinds_and_allocation_are_refused(tmp_path: Path) -> None:
+    """The first records had no kind, no allocation and no version: read with the fields'
+    defaults they were `container` records with 0 GPU-seconds allocated, an empty bill with
+    exit 0. As their CSV (no kind column), they are refused with one line."""
+    first = [
+        "kind", "gpu_model", "gpu_memory_bytes", "allocated_gpu_seconds", "used_gpu_seconds",
+        "overcommitted", "reserved_idle_gpu_seconds", "version",
+    ]  # fmt: skip
+    lines = [msgspec.json.decode(jsonl_line(r)) for r in _window("GPU-1")]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(
+        b"".join(
+            msgspec.json.encode({k: v for k, v in x.items() if k not in first}) + b"\n"
+            for x in lines
+        )
+    )
+    proc = hami("report", *SPAN, "--jsonl", path)
+    expected = (
+        f"hami-usage report: {path}:1: not a billing record: Object missing required field `kind`\n"
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
 
 

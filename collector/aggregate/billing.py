@@ -13,7 +13,16 @@ from typing import Any, Final, Literal
 import msgspec
 
 from ..events import JSON_SCHEMA_DIALECT, too_deep
-from .records import RECORD_MAX, RECORD_VERSION, SINCE_VERSION, BillingRecord, to_json, to_msgpack
+from .records import (
+    RECORD_MAX,
+    RECORD_VERSION,
+    SINCE_VERSION,
+    BillingRecord,
+    from_json,
+    from_msgpack,
+    to_json,
+    to_msgpack,
+)
 
 SCHEMA_NAME: Final = "hami.billing.v1"
 Format = Literal["json", "msgpack"]
@@ -21,8 +30,6 @@ CONTENT_TYPES: Final[dict[str, bytes]] = {
     "json": b"application/json",
     "msgpack": b"application/msgpack",
 }
-
-_json_decoder: Final = msgspec.json.Decoder(BillingRecord)
 
 
 def billing_message(
@@ -38,8 +45,8 @@ def decode_billing(value: bytes) -> BillingRecord:
     """A billing value in either format (JSON starts with `{`, a msgpack map never does)."""
     try:
         if value[:1] == b"{":
-            return _json_decoder.decode(value)
-        return msgspec.msgpack.decode(value, type=BillingRecord)
+            return from_json(value)
+        return from_msgpack(value)
     except RecursionError:
         raise too_deep() from None
 

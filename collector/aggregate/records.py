@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import re
+import typing
 from decimal import Decimal
 from typing import Final
 
@@ -32,6 +33,7 @@ __all__ = [
     "csv_header",
     "csv_row",
     "decimal_text",
+    "from_json",
     "from_msgpack",
     "in_bounds",
     "iso_ms",
@@ -105,8 +107,10 @@ class BillingRecord(msgspec.Struct, frozen=True):
     overcommitted: bool = False  # the GPU's shares were scaled down to its observed time
     # The record's schema version (schemas/billing.schema.json; the topic stays
     # hami.billing.v1): 1, or 2 from `reserved_idle_gpu_seconds` on (`SINCE_VERSION`). A
-    # version 1 record decodes with that field 0 but did not measure it.
-    version: int = 2
+    # version 1 record decodes with that field 0 but did not measure it. Every writer sets it;
+    # a record without one was written before versions existed, so it reads as 1, as a CSV
+    # without the version 2 column and a Parquet part without `version` do.
+    version: int = 1
     # Version 2: the part of allocated_gpu_seconds accrued while the container's SM
     # utilisation on the device was 0 (`windows.allocate`); on a `gpu` row the sum, `idle` 0.
     reserved_idle_gpu_seconds: Decimal = Decimal("0.000")
@@ -189,6 +193,21 @@ def iso_utc(ms: int) -> str:
 _msgpack_encoder: Final = msgspec.msgpack.Encoder()
 _msgpack_decoder: Final = msgspec.msgpack.Decoder(BillingRecord)
 
+# The fields every record version carries (all but `version` and what a later version added),
+# none with a default: a record that lacks one of them was written before kinds and allocation
+# (the first records), a format no report can bill, and a CSV without their columns is refused
+# too. Only a record that reads as version 1 is checked against it.
+_CARRIED: Final = msgspec.defstruct(
+    "CarriedByEveryVersion",
+    [
+        (f, t)
+        for f, t in typing.get_type_hints(BillingRecord).items()
+        if f not in SINCE_VERSION and f != "version"
+    ],
+)
+_carried_json: Final = msgspec.json.Decoder(_CARRIED)
+_carried_msgpack: Final = msgspec.msgpack.Decoder(_CARRIED)
+
 
 def in_bounds(record: BillingRecord) -> bool:
     """Every number of `record` lies in [0, RECORD_MAX] (integrals in milli-units)."""
@@ -222,7 +241,10 @@ def to_msgpack(record: BillingRecord) -> bytes:
 
 
 def from_msgpack(payload: bytes) -> BillingRecord:
-    return _msgpack_decoder.decode(payload)
+    record = _msgpack_decoder.decode(payload)
+    if record.version < RECORD_VERSION:
+        _carried_msgpack.decode(payload)
+    return record
 
 
 # --- CSV -----------------------------------------------------------------------------------
@@ -315,6 +337,18 @@ _json_encoder: Final = msgspec.json.Encoder(decimal_format="number")
 def to_json(record: BillingRecord) -> bytes:
     """The record as one JSON object, every field, decimals as exact JSON numbers."""
     return _json_encoder.encode(record)
+
+
+_json_decoder: Final = msgspec.json.Decoder(BillingRecord)
+
+
+def from_json(payload: bytes) -> BillingRecord:
+    """The record of a JSON object (a billing message's value, a JSON Lines line); extra keys
+    (a line's `window_start`/`window_end`) are skipped."""
+    record = _json_decoder.decode(payload)
+    if record.version < RECORD_VERSION:
+        _carried_json.decode(payload)
+    return record
 
 
 def jsonl_line(record: BillingRecord) -> bytes:

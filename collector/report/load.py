@@ -21,8 +21,10 @@ from ..aggregate.columns import to_table
 from ..aggregate.records import (
     CSV_FIELDS,
     RECORD_MAX,
+    RECORD_VERSION,
     SINCE_VERSION,
     BillingRecord,
+    from_json,
     in_bounds,
     iso_ms,
     seconds,
@@ -75,7 +77,7 @@ def _csv_record(row: dict[str | None, Any]) -> BillingRecord:
     # CSV has no version column: a file without a later version's column holds records of the
     # version before it (its columns are only ever appended).
     missing = [v for f, v in SINCE_VERSION.items() if f not in row]
-    obj: dict[str, Any] = {"version": min(missing) - 1} if missing else {}
+    obj: dict[str, Any] = {"version": min(missing) - 1 if missing else RECORD_VERSION}
     for name, text in row.items():
         if name == "window_start":
             obj["window_start_ms"] = iso_ms(text)
@@ -130,13 +132,12 @@ def _billing_header(path: Path, names: typing.Sequence[str]) -> None:
 
 
 def _read_jsonl(path: Path) -> Iterator[BillingRecord]:
-    decoder = msgspec.json.Decoder(BillingRecord)
     try:
         with path.open("rb") as f:
             for i, line in enumerate(f, start=1):
                 if line.strip():
                     try:
-                        record = checked(decoder.decode(line))
+                        record = checked(from_json(line))
                     except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
                         raise LoadError(f"{path}:{i}: not a billing record: {e}") from None
                     yield record

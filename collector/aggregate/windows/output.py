@@ -18,7 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 from ...events import Identity
-from ..records import BillingRecord, in_bounds, make_record_id, record_order, seconds
+from ..records import (
+    RECORD_VERSION,
+    BillingRecord,
+    in_bounds,
+    make_record_id,
+    record_order,
+    seconds,
+)
 from .allocate import Policy, allocated_ms, fit, idle_part, observed_ms, used_ms
 from .identity import Identities
 from .inventory import Inventory
@@ -216,6 +223,7 @@ class Output:
                     used_gpu_seconds=seconds(u),
                     reserved_idle_gpu_seconds=seconds(ri),
                     overcommitted=over and bool(pod_uid),
+                    version=RECORD_VERSION,
                     **(_NAMES if who is None else _names(who)),
                 )
             )
@@ -249,6 +257,7 @@ class Output:
                     used_gpu_seconds=seconds(u),
                     reserved_idle_gpu_seconds=seconds(ri),
                     overcommitted=over,
+                    version=RECORD_VERSION,
                 )
             )
         return records
