@@ -7,6 +7,8 @@
 #                              and adding ACLs: its ANONYMOUS principal is a super user, so this
 #                              listener is for a test broker only
 #   CONTROLLER 127.0.0.1:19096
+# The ports are the plaintext broker's KAFKA_PORT + 2, 3, 5 and 4 (19092 by default), so a second
+# pair of brokers for another checkout (its own KAFKA_HOME and KAFKA_PORT) never takes this pair's.
 #
 # Certificates (made here with openssl at the first start, in $KAFKA_HOME/certs): a test CA, the
 # broker's certificate for 127.0.0.1/localhost, client certificates CN=collector, CN=aggregator
@@ -16,10 +18,11 @@
 # $KAFKA_HOME/secrets/<name>.password. ACLs (StandardAuthorizer, nothing allowed without one):
 # see add_acls below.
 
-KAFKA_PORT="${KAFKA_SECURE_INTERNAL_PORT:-19097}"
-KAFKA_CONTROLLER_PORT="${KAFKA_SECURE_CONTROLLER_PORT:-19096}"
-SASL_SSL_PORT="${KAFKA_SECURE_SASL_PORT:-19094}"
-MTLS_PORT="${KAFKA_SECURE_MTLS_PORT:-19095}"
+PLAINTEXT_PORT="$KAFKA_PORT"
+KAFKA_PORT="${KAFKA_SECURE_INTERNAL_PORT:-$((PLAINTEXT_PORT + 5))}"
+KAFKA_CONTROLLER_PORT="${KAFKA_SECURE_CONTROLLER_PORT:-$((PLAINTEXT_PORT + 4))}"
+SASL_SSL_PORT="${KAFKA_SECURE_SASL_PORT:-$((PLAINTEXT_PORT + 2))}"
+MTLS_PORT="${KAFKA_SECURE_MTLS_PORT:-$((PLAINTEXT_PORT + 3))}"
 CERTS="$KAFKA_HOME/certs"
 SECRETS="$KAFKA_HOME/secrets"
 USERS=(admin collector aggregator reader nobody)

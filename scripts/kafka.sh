@@ -184,7 +184,9 @@ start() {
     if running; then wait_ready; return; fi
     install
     if [[ "$KAFKA_SECURE" == 1 ]]; then make_certs; fi
-    [[ -f "$DATA/meta.properties" && -f "$CONF/server.properties" ]] || { write_config; format; }
+    # The config follows this run's ports (a home started before with others keeps its data).
+    write_config
+    [[ -f "$DATA/meta.properties" ]] || format
     say "starting broker on $ADDR (log: $LOG)"
     # setsid: the broker must outlive this script and not get the caller's Ctrl-C.
     # 9>&-: do not let the broker inherit (and hold forever) the lock taken in main.
