@@ -334,9 +334,9 @@ def test_sigkill_mid_run_then_restart_on_the_same_log(
 
 
 def test_a_stalled_collector_does_not_run_the_missed_scans_back_to_back(tmp_path: Path) -> None:
-    """Stopped for 3 s (SIGSTOP, as a node under memory pressure or a debugger does) at a
-    0.5 s interval: on resuming it scans once and goes on at the interval, instead of running
-    the six scans it missed at once."""
+    """Stopped for 6 s (SIGSTOP, as a node under memory pressure or a debugger does) at a
+    2 s interval: on resuming it scans once and goes on at the interval, instead of running
+    the three scans it missed at once (or, as it did, two)."""
     import socket
     import urllib.request
 
@@ -345,7 +345,7 @@ def test_a_stalled_collector_does_not_run_the_missed_scans_back_to_back(tmp_path
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [str(HAMI_USAGE), "collect", "--root", str(tmp_path / "root"), "--log",
-           str(tmp_path / "log"), "--node", "n1", "--interval", "0.5", "--heartbeat", "100",
+           str(tmp_path / "log"), "--node", "n1", "--interval", "2", "--heartbeat", "100",
            "--no-nvml", "--no-kubernetes", "--metrics-port", str(port),
            "--metrics-bind-address", "127.0.0.1"]  # fmt: skip
 
@@ -358,19 +358,29 @@ def test_a_stalled_collector_does_not_run_the_missed_scans_back_to_back(tmp_path
         found = re.search(r"^hami_usage_scans_total (\S+)", body, re.M)
         return float(found.group(1)) if found else -1.0
 
+    def next_scan(after: float) -> float:
+        """When a scan after the `after`th was seen (polled every 50 ms)."""
+        deadline = time.monotonic() + 30
+        while scans() <= after:
+            assert time.monotonic() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.05)
+        return time.monotonic()
+
     with (tmp_path / "err").open("wb") as err:
         proc = subprocess.Popen(cmd, stderr=err)
     try:
-        deadline = time.monotonic() + 30
-        while scans() < 2:
-            assert time.monotonic() < deadline, (tmp_path / "err").read_text()
-            time.sleep(0.1)
+        next_scan(0)
+        # Stopped right after a scan, so no scan ends between reading the count and the stop.
+        next_scan(scans())
         before = scans()
         os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(3)
+        time.sleep(6)
         os.kill(proc.pid, signal.SIGCONT)
-        time.sleep(0.35)
-        assert scans() - before <= 2  # not the six missed ones one after another
+        seen = next_scan(before)
+        # The scan after it is due 2 s after it ended: 1 s from seeing it, still one scan.
+        time.sleep(max(0.0, seen + 1.0 - time.monotonic()))
+        assert scans() - before == 1  # not the three missed ones one after another
+        next_scan(before + 1)  # and the interval goes on
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)

@@ -286,11 +286,15 @@ class Collector:
                 scans += 1
                 if self.settings.max_scans is not None and scans >= self.settings.max_scans:
                     break
-                # After a stall (the process stopped, a scan longer than the interval) one
-                # scan runs at once and the interval goes on from there: the missed ones are
-                # not run back to back.
-                next_at = max(next_at + self.settings.interval_s, time.monotonic())
-                delay = max(0.0, next_at - time.monotonic())
+                # On time, the interval goes on from the schedule (no drift). Behind it (the
+                # process was stopped, a scan took longer than the interval), the next scan is
+                # one interval after this one: missed scans are not made up, and a process
+                # resumed from a stop scans once, not twice back to back.
+                now = time.monotonic()
+                next_at += self.settings.interval_s
+                if next_at < now:
+                    next_at = now + self.settings.interval_s
+                delay = next_at - now
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
         finally:
