@@ -504,13 +504,24 @@ async def consume_plain(topic: str, **client: Any) -> list[Any]:
 
 
 async def committed_metadata(bootstrap: str, group: str) -> dict[int, tuple[int, str]]:
-    """partition -> (committed offset, metadata) of `group`."""
+    """partition -> (committed offset, metadata) of `group`. An error Kafka calls retriable
+    (no coordinator yet: the broker's first group creates `__consumer_offsets`) is retried
+    for up to 30 s."""
     from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import KafkaError
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
+    deadline = time.monotonic() + 30
     try:
-        got = await admin.list_consumer_group_offsets(group)
+        while True:
+            try:
+                got = await admin.list_consumer_group_offsets(group)
+                break
+            except KafkaError as e:
+                if not e.retriable or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
     finally:
         await admin.close()
     return {tp.partition: (om.offset, om.metadata) for tp, om in got.items()}

@@ -183,10 +183,17 @@ def test_local_log_service(tmp_path: Path) -> None:
 
 def with_reader_hook(cmd: list[str], method: str, hook: str) -> subprocess.CompletedProcess[str]:
     """`hami-usage *cmd` in a process whose `LogReader.<method>` runs `hook` (Python, with
-    `call()` the real method on the same arguments) the first time it is called."""
+    `call()` the real method on the same arguments) the first time it is called. `handled`
+    is a threading.Event set once the event loop has run a signal handler of the service's."""
     code = (
-        "import os, signal\n"
+        "import asyncio.unix_events, os, signal, threading\n"
         "from collector.cli import main\n"
+        "handled = threading.Event()\n"
+        "loop_class = asyncio.unix_events._UnixSelectorEventLoop\n"
+        "add_handler = loop_class.add_signal_handler\n"
+        "def handle(loop, sig, callback, *args):\n"
+        "    return add_handler(loop, sig, lambda *a: (callback(*a), handled.set()), *args)\n"
+        "loop_class.add_signal_handler = handle\n"
         "from collector.transport.locallog import LogReader\n"
         f"real = LogReader.{method}\n"
         "def first(self, *a, **k):\n"
@@ -203,12 +210,12 @@ def with_reader_hook(cmd: list[str], method: str, hook: str) -> subprocess.Compl
 def test_a_drain_stopped_by_a_signal_says_so_and_exits_1(tmp_path: Path) -> None:
     """SIGTERM before the end of the input (sent here at the first read of the log): what was
     written stands, and a later --drain finishes it, but the run is not the whole input (it
-    exited 0 with a sixth of the records). The read waits a second after the signal: it runs
-    in a thread, and one that returned before the event loop took the signal read the whole
-    log, the drain then finishing it (exit 0; seen once on a loaded machine)."""
+    exited 0 with a sixth of the records). The read returns once the event loop has taken the
+    signal: it runs in a thread, and one that returned before read the whole log, the drain
+    then finishing it (exit 0; seen once on a loaded machine)."""
     msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
     _, csv, _, cmd = local_run(tmp_path, msgs)
-    hook = "os.kill(os.getpid(), signal.SIGTERM); __import__('time').sleep(1); return call()"
+    hook = "os.kill(os.getpid(), signal.SIGTERM); assert handled.wait(60); return call()"
     proc = with_reader_hook(cmd, "read", hook)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.endswith(

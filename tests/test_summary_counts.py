@@ -298,19 +298,25 @@ def test_a_rebalance_keeps_what_the_revoked_partitions_counted(
         await other.start()  # (joined: the replica's partitions were revoked, given back)
         await asyncio.sleep(2)
         await other.stop()  # and again
-        await asyncio.sleep(4)
+        deadline = time.monotonic() + 60
+        while len(assignments()) < 3:
+            assert time.monotonic() < deadline and not replica.done()
+            await asyncio.sleep(0.2)
         stop.set()
         await replica
 
+    mine = f"TopicPartition(topic='{kafka_topic}', partition=1)"  # (not the other member's)
+
+    def assignments() -> list[logging.LogRecord]:
+        return [
+            r
+            for r in caplog.records
+            if r.getMessage().startswith("Setting newly") and mine in r.getMessage()
+        ]
+
     with caplog.at_level(logging.INFO):
         asyncio.run(scenario())
-    mine = f"TopicPartition(topic='{kafka_topic}', partition=1)"  # (not the other member's)
-    assigned = [
-        r
-        for r in caplog.records
-        if r.getMessage().startswith("Setting newly") and mine in r.getMessage()
-    ]
-    assert len(assigned) == 3
+    assert len(assignments()) == 3
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("aggregate: ")]
     assert line == (
         "aggregate: 0 records events=9 future_events=6 (n2=6) undecodable=1 unknown_schema=0; "
