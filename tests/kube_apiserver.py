@@ -223,6 +223,8 @@ class ApiServer:
     node: str = "node-a"
     bookmark_every_s: float = 0.5
     gone_as_status: bool = False  # 410 on a watch as the HTTP status instead of an ERROR event
+    always_gone: bool = False  # every watch answered 410, from any version
+    watches_end_at_once: bool = False  # every watch answered 200 and ended with no event
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     replicasets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     jobs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
@@ -584,9 +586,12 @@ class ApiServer:
             await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
 
         try:
-            if since < self.oldest:
+            if since < self.oldest or self.always_gone:
                 gone = status_body(410, "Expired", f"too old resource version: {since}")
                 await send("ERROR", gone)
+                return resp
+            if self.watches_end_at_once:
+                await resp.write_eof()
                 return resp
             deadline = time.monotonic() + timeout
             last_bookmark = time.monotonic()

@@ -39,7 +39,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import msgspec
@@ -121,6 +121,17 @@ class MalformedResponse(Exception):
     pass
 
 
+class ShortWatch(Exception):
+    """A watch the server ended within `SHORT_WATCH_S` without a single event or bookmark (a
+    proxy that closes streams, a server shedding load), or whose fresh list's version is gone
+    at once: retried with back-off, as client-go's reflector does, not at once for ever."""
+
+
+# A watch asks for `watch_timeout_s` (at least 1 s): one that ends sooner with nothing in it
+# was not a watch.
+SHORT_WATCH_S: Final = 1.0
+
+
 class CredentialsUnavailable(Exception):
     """The client could not load its credentials for a request (an exec plugin that failed):
     retried like a refusal, since the next load may succeed."""
@@ -130,6 +141,7 @@ RETRYABLE = (
     ApiError,
     CredentialsUnavailable,
     MalformedResponse,
+    ShortWatch,
     aiohttp.ClientError,
     asyncio.TimeoutError,
     OSError,
@@ -367,15 +379,19 @@ class PodWatch:
 
     async def _session(self) -> None:
         """One list (when there is no version to resume from) and one watch request."""
+        listed = self.resource_version is None
         try:
-            if self.resource_version is None:
+            if listed:
                 await self._list()
             await self._watch(self.resource_version or "")
         except Gone:
             self.stats.relists += 1
-            log.info("pod watch: resourceVersion %s is too old (410): listing again",
-                     self.resource_version)  # fmt: skip
-            self.resource_version = None
+            version, self.resource_version = self.resource_version, None
+            if listed:  # (listing again at once would loop as fast as the server answers)
+                raise ShortWatch(
+                    f"the version {version} of a list just made is too old (410) already"
+                ) from None
+            log.info("pod watch: resourceVersion %s is too old (410): listing again", version)
 
     async def _list(self) -> None:
         pods: list[Pod] = []
@@ -402,7 +418,9 @@ class PodWatch:
             if not token:
                 break
         self.stats.lists += 1
-        self._recovered()
+        # Back once the watch after it delivers (a list whose watch is refused at once is no
+        # recovery: each round of such a loop logged a recovery and a new failure).
+        self.stats.connected = True
         now = time.monotonic()
         listed = {p.metadata.uid for p in pods}
         self._metas = {p.metadata.uid: _kept(p.metadata) for p in pods}
@@ -417,6 +435,7 @@ class PodWatch:
         self.synced.set()
 
     async def _watch(self, version: str) -> None:
+        began, events = time.monotonic(), 0
         resp = await _raw(
             self._core.list_pod_for_all_namespaces,
             field_selector=self._selector,
@@ -444,6 +463,7 @@ class PodWatch:
                     start = end + 1
                     if line.strip():
                         await self._event(line)
+                        events += 1
                         if self._episode.what is not None:
                             self._recovered()  # an event was understood: really back
                 del buf[:start]
@@ -452,6 +472,10 @@ class PodWatch:
                 await self._pause(resp)
             if buf.strip():
                 await self._event(bytes(buf))
+                events += 1
+            lasted = time.monotonic() - began
+            if not events and lasted < SHORT_WATCH_S:
+                raise ShortWatch(f"the server ended a watch after {lasted:.3f} s with no event")
             if self._episode.what is not None:
                 self._recovered()
         finally:
