@@ -41,6 +41,7 @@ from .damage import CheckpointError, DamageReport
 from .health import HealthServer, Liveness
 from .intake import InputStats, add_record
 from .records import BillingRecord, iso_utc, record_order
+from .silence import Silence
 from .sinks import CsvSink, JsonlSink
 from .tally import Tally
 from .windows import AggregateStats, Aggregator, WindowSettings
@@ -480,6 +481,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             meta = msgspec.json.encode(outputs.checkpoint(agg)).decode()
             commit_local(reader, settings, position, meta)
         last_commit = time.monotonic()
+        silence = Silence()
         while not stopping.is_set():
             settings.liveness.beat()
             batch = await asyncio.to_thread(reader.read, position, 5000)
@@ -495,10 +497,11 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 )
             if batch:
                 position = batch[-1].offset + 1
-            else:
-                # No traffic at all: the clock stands in for other traffic's record time, and
-                # the next record would close the same windows (windows/progress.py).
-                agg.idle(int(time.time() * 1000))
+                silence.read(0, max(r.timestamp_ms for r in batch))
+            elif (now_ms := silence.now_ms(0)) is not None:
+                # Nothing new: the record time that has come anyway (see `silence`); the next
+                # record would close the same windows (windows/progress.py).
+                agg.idle(now_ms)
             read_damage(reader.stats, damage)
             done = not batch and settings.drain
             if done:
@@ -547,6 +550,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     assert settings.kafka is not None
     aggs: dict[TopicPartition, Aggregator] = {}
     positions: dict[TopicPartition, int] = {}
+    silence = Silence()  # each partition's newest record time read, and when
     # --drain: each partition held, and its end when it was assigned (a partition gained in a
     # rebalance is read to its own end before the drain flushes; one lost is no longer waited for)
     ends: dict[TopicPartition, int] = {}
@@ -651,6 +655,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                         tally.revoke(agg, tp.partition)
                     positions.pop(tp, None)
                     ends.pop(tp, None)
+                    silence.forget(tp)
 
         async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
             # aiokafka already hands out records of the new partitions while this runs; the
@@ -733,7 +738,6 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             # appending twice.
             await publish(outputs, [])
         last_commit = time.monotonic()
-        clock = 0  # the newest record time of any partition
         while not stopping.is_set():
             settings.liveness.beat()
             batch = await consumer.getmany(timeout_ms=500, max_records=5000)
@@ -743,13 +747,15 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     continue
                 tally.add(agg, tp.partition, msgs)
                 positions[tp] = msgs[-1].offset + 1
-                clock = max(clock, msgs[-1].timestamp)
+                silence.read(tp, max(m.timestamp for m in msgs))
             for tp, agg in aggs.items():
-                # A partition whose nodes all fell silent closes on the others' record time;
-                # only one read to its end is silent (a backlog is not).
+                # A partition whose nodes all fell silent closes on its own record time moved
+                # on by the time since it was read (`silence`); only one read to its end is
+                # silent (a backlog is not).
                 high = consumer.highwater(tp)
-                if high is not None and positions[tp] >= high:
-                    agg.idle(clock)
+                now_ms = silence.now_ms(tp)
+                if high is not None and positions[tp] >= high and now_ms is not None:
+                    agg.idle(now_ms)
             if failed:
                 raise failed[0]
             # (a drain is done only once every partition aiokafka assigned is placed: it can

@@ -1,0 +1,138 @@
+"""The record time the service tells a partition read to its end (`aggregate/silence.py`): its
+own newest record time moved on by the monotonic time since, never another partition's record
+time or the wall clock."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import msgspec
+import pytest
+from streams import T0_MS, WINDOW, build, csv_lines, read_csv, reference, write_local_log
+from test_windows import Collector, row, state
+
+from collector.aggregate.records import BillingRecord
+from collector.aggregate.service import AggregateSettings, run_local
+from collector.aggregate.silence import Silence
+from collector.aggregate.windows import Aggregator, WindowSettings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.s = 100.0
+
+    def __call__(self) -> float:
+        return self.s
+
+
+def test_a_source_moves_on_from_its_newest_record_by_the_time_since_it_was_read() -> None:
+    clock = Clock()
+    silence = Silence(clock)
+    assert silence.now_ms("p0") is None  # nothing read: nothing to say
+    silence.read("p0", 5_000)
+    clock.s += 2.5
+    assert silence.now_ms("p0") == 7_500
+    silence.read("p0", 4_000)  # an older record time (a node behind): the newest stays
+    assert silence.now_ms("p0") == 7_500
+    silence.read("p0", 9_000)
+    clock.s += 0.25
+    assert silence.now_ms("p0") == 9_250
+    silence.read("p1", 1_000_000)  # another source's time is its own
+    assert silence.now_ms("p0") == 9_250
+    silence.forget("p0")
+    assert silence.now_ms("p0") is None and silence.now_ms("p1") == 1_000_000
+
+
+# The README defaults: a silent node stops holding its partition back after 600 s.
+DEFAULTS = WindowSettings(
+    window_ms=60_000, lateness_ms=10_000, max_gap_ms=90_000, max_skew_ms=300_000, idle_ms=600_000
+)
+T0 = 1_800_000_000_000
+
+
+def node_a_records(ahead_s: int, live: bool) -> tuple[list[BillingRecord], int]:
+    """Node A (partition 0, its clock right) and node B (partition 1, its clock `ahead_s`
+    ahead), a heartbeat a second each for 30 minutes, read as the service's loop reads them
+    (one record of each partition per second, both read to their end). `live`: the service's
+    idle calls, else none (a replay). A's container records, and its late events."""
+    aggs = {0: Aggregator(DEFAULTS), 1: Aggregator(DEFAULTS)}
+    a, b = Collector(inc=1), Collector(inc=2)
+    clock = Clock()
+    silence = Silence(clock)
+    out: list[BillingRecord] = []
+    for s in range(1800):
+        t, tb = T0 + s * 1000, T0 + (s + ahead_s) * 1000
+        mib = 100 + (s // 60) * 10  # A's memory changes every minute
+        ea = a.heartbeat(t, state(1, row(1, mib << 20)))
+        eb = b.heartbeat(tb, state(1, row(1, 1 << 20), pod="pod-b"))
+        aggs[0].add("A", msgspec.structs.replace(ea, interval_ms=1000), offset=s, record_ts_ms=t)
+        aggs[1].add("B", msgspec.structs.replace(eb, interval_ms=1000), offset=s, record_ts_ms=tb)
+        silence.read(0, t)
+        silence.read(1, tb)
+        clock.s += 1.0
+        for source, agg in aggs.items():
+            if live and (now_ms := silence.now_ms(source)) is not None:
+                agg.idle(now_ms)
+            out += agg.advance()
+    for agg in aggs.values():
+        out += agg.flush()
+    return [r for r in out if r.node == "A" and r.kind == "container"], aggs[0].stats.late_events
+
+
+def test_a_node_whose_clock_runs_ahead_in_another_partition_closes_nothing_of_this_one() -> None:
+    """Before, the service told every partition read to its end the newest record time of
+    any partition: with B 700 s ahead (more than `idle`), A turned idle at every read and was
+    billed 8.8 GiB-s in 2 records, 1 799 of its events late, instead of 464.6 GiB-s in 32."""
+    replayed, late = node_a_records(700, live=False)
+    assert late == 0 and len(replayed) == 32
+    # a minute of each value, and the last one until max_gap after its heartbeat at 1 799 s
+    mib_s = 60 * sum(100 + 10 * m for m in range(30)) + 390 * 89
+    assert sum(r.memory_byte_seconds for r in replayed) == mib_s << 20
+    assert node_a_records(700, live=True) == (replayed, 0)
+    assert node_a_records(0, live=True) == (replayed, 0)
+
+
+def test_a_live_aggregator_far_ahead_of_the_event_times_closes_no_window_early(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Events stamped long before the aggregator's wall clock (a node's clock behind, a
+    suspend, a stepped clock; here: events of March) on the local log. Before, every read that
+    found nothing new took the wall clock for record time: the nodes turned idle, their windows
+    closed, and the rest of their events were late. Now the live run, stopped after the second
+    half and finished by a drain, writes the records of one uninterrupted drain."""
+    msgs = build(tmp_path / "nodes", T0_MS)
+    half = len(msgs) // 2
+    assert half < 5000  # (one read takes it all: the next read finds nothing new)
+    log, out = tmp_path / "log", tmp_path / "b.csv"
+    write_local_log(log, msgs[:half])
+
+    def settings(drain: bool) -> AggregateSettings:
+        return AggregateSettings(
+            window=WINDOW, kafka=None, topic="t", billing_topic="b", group="g", log_dir=log,
+            csv=str(out), drain=drain,
+        )  # fmt: skip
+
+    async def live() -> None:
+        s, stopping = settings(False), asyncio.Event()
+        task = asyncio.create_task(run_local(s, stopping))
+
+        async def turns(n: int) -> None:
+            until = s.liveness.beats + n
+            while s.liveness.beats < until:
+                assert not task.done()
+                await asyncio.sleep(0.02)
+
+        await turns(3)  # the first half read, then at least one read that found nothing new
+        await asyncio.to_thread(write_local_log, log, msgs[half:])
+        await turns(3)
+        stopping.set()
+        await task
+
+    with caplog.at_level(logging.INFO, logger="collector.aggregate.service"):
+        asyncio.run(live())
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("aggr")]
+        assert "late_events" not in line, line
+        asyncio.run(run_local(settings(True), asyncio.Event()))
+    assert read_csv(out) == csv_lines(reference(msgs))
