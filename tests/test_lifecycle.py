@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from lifecycle import (
+    SECOND_NS,
     SETTINGS,
     SETTINGS_FLAGS,
     T0_MS,
@@ -36,6 +37,7 @@ from collector.aggregate.records import CSV_FIELDS, iso_utc
 from collector.aggregate.windows import Aggregator
 from collector.events import (
     ContainerAppeared,
+    Heartbeat,
     Identity,
     LayoutAnomaly,
     ProcessExited,
@@ -634,3 +636,25 @@ def test_live_service_and_replay_bill_every_scenario_exactly(tmp_path: Path) -> 
 
 def iso_ms(text: str) -> int:
     return int(dt.datetime.fromisoformat(text).timestamp() * 1000)
+
+
+@pytest.mark.parametrize(
+    "interval_s, spacing_ms", [(1.0, 30_000), (20.0, 40_000), (120.0, 120_000), (0.3, 30_000)]
+)
+def test_heartbeats_state_the_spacing_the_scans_give_them(
+    tmp_path: Path, interval_s: float, spacing_ms: int
+) -> None:
+    """A heartbeat goes out on the first scan at least 30 s after the last: scans 20 s apart
+    send one every 40 s, 120 s apart every 120 s. Each said 30 000 ms, so the aggregator's
+    warning for a heartbeat spacing above `max_gap` (values lapse between them) stayed silent."""
+    clock = FakeClock(T0_MS)
+    scanner = Scanner(tmp_path, heartbeat_s=30, scan_interval_s=interval_s, inc=1, clock=clock)
+    beats: list[tuple[int, int]] = []
+    for _ in range(round(600 / interval_s)):
+        beats += [(e.ts, e.interval_ms) for e in scanner.scan() if isinstance(e, Heartbeat)]
+        clock.mono += round(interval_s * SECOND_NS)
+    assert len(beats) >= 5
+    assert [b - a for (a, _), (b, _) in zip(beats, beats[1:], strict=False)] == [spacing_ms] * (
+        len(beats) - 1
+    )
+    assert {said for _, said in beats} == {spacing_ms}

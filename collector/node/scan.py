@@ -59,6 +59,7 @@ class Scanner:
         root: Path,
         *,
         heartbeat_s: float,
+        scan_interval_s: float | None = None,
         host_proc: str | None = None,
         inc: int | None = None,
         crosscheck: CrossCheck | None = None,
@@ -72,11 +73,19 @@ class Scanner:
         reuse: bool = True,
     ) -> None:
         """`reuse=False` parses every file in full and diffs every snapshot, as before
-        ParseMemo (tests and benchmarks compare the two)."""
+        ParseMemo (tests and benchmarks compare the two). `scan_interval_s`: the service's
+        interval between scans, if any (heartbeats go out on scans)."""
         self.discovery = Discovery(root, listing)
         self.reuse = reuse
         self.writer_faults = WriterFaults(writer_faults)
         self.heartbeat_ms = int(heartbeat_s * 1000)
+        # What heartbeats say their spacing is: a heartbeat goes out on the first scan at least
+        # `heartbeat_ms` after the last, so scans 20 s apart send one every 40 s for 30 s, and
+        # scans 120 s apart one every 120 s (the aggregator warns when it exceeds max_gap).
+        self.heartbeat_every_ms = self.heartbeat_ms
+        if scan_interval_s:
+            scan_ms = max(1, int(scan_interval_s * 1000))
+            self.heartbeat_every_ms = max(-(-self.heartbeat_ms // scan_ms), 1) * scan_ms
         self.host_proc = host_proc
         self.presence_policy: Presence = presence_policy
         self.crosscheck = crosscheck
@@ -305,7 +314,7 @@ class Scanner:
         return [
             self._stamp(
                 Heartbeat,
-                interval_ms=self.heartbeat_ms,
+                interval_ms=self.heartbeat_every_ms,
                 part=i,
                 parts=len(parts),
                 containers=part,

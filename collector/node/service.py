@@ -113,6 +113,7 @@ class Collector:
         self.scanner = Scanner(
             settings.root,
             heartbeat_s=settings.heartbeat_s,
+            scan_interval_s=settings.interval_s,
             host_proc=settings.host_proc,
             crosscheck=crosscheck,
             listing=settings.listing,
