@@ -288,6 +288,32 @@ def test_a_refused_collector_logs_counts_and_retries(
         proc.wait(30)
 
 
+def test_a_topic_the_collector_may_not_write_is_retried_with_back_off(
+    secure: SecureBroker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """Connected, but each batch refused at send time (no Write ACL on the topic: here the
+    billing topic): retried after 0.2 s doubling to 5 s, with one ERROR line. It was retried at
+    every scan (every 0.2 s here), each time with a new connection and an ERROR line."""
+    usage_is_billing = {**names, "usage": names["billing"]}
+    proc, err_path = collect(tmp_path, usage_is_billing, "--metrics-port", "0",
+                             *sasl(secure, "collector"))  # fmt: skip
+    try:
+        refused(proc, err_path)
+        time.sleep(8)  # back-off 0.2 + 0.4 + 0.8 + 1.6 + 3.2 s: five more tries at most
+        text = err_path.read_text()
+        port = int(re.findall(r"metrics on [^:\s]*:(\d+)/metrics", text)[0])
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        (count,) = re.findall(
+            r'hami_usage_kafka_refused_total\{reason="authorization"\} (\S+)', body
+        )
+        assert 2 <= float(count) <= 7, count
+        assert text.count("kafka refused the collector, retrying: ") == 1, text
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_a_password_file_fixed_in_place_is_used_at_the_next_retry(
     secure: SecureBroker, names: dict[str, str], tmp_path: Path
 ) -> None:

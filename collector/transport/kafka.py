@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
@@ -199,6 +199,12 @@ def make_producer(s: ProducerSettings) -> AIOKafkaProducer:
     )
 
 
+# The back-off between batches after a failed one (`KafkaForwarder.send_retry_delay`), the
+# shape of `_ensure_producer`'s back-off between connections.
+SEND_RETRY_FIRST_S: Final = 0.2
+SEND_RETRY_MAX_S: Final = 5.0
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -223,6 +229,10 @@ class KafkaForwarder:
         # time (see `unstamped`); and whether it refused even that (a node clock far ahead).
         self._send_time_only = False
         self._refused_send_time = False
+        # Batches refused or failed in a row since the last one sent: the next try waits
+        # `send_retry_delay()`, as a failed connection does (a refusal at send time, a topic
+        # ACL missing, was retried at every scan, with a new connection and an ERROR line).
+        self.failed_batches = 0
         try:
             committed = self.reader.committed(FORWARDER_GROUP)
         except CorruptCheckpointError as exc:
@@ -313,6 +323,7 @@ class KafkaForwarder:
         futures: list[asyncio.Future[Any] | None] = []
         unstamped = 0
         now = int(time.time() * 1000)
+        failures = self.failed_batches
         try:
             for r in records:
                 # The record's time is when it was sent (a spool drained after an outage says
@@ -344,13 +355,15 @@ class KafkaForwarder:
                 acked = r.offset + 1
         except KafkaError as exc:
             self.stats.send_failures += 1
+            self.failed_batches += 1
             refusal = classify(exc)
             if isinstance(exc, InvalidTimestampError):
                 self._times_refused()
             elif refusal is not None:
                 self._count_refused(refusal)
-                log.error("kafka refused the collector, retrying: %s", refusal)
-            else:
+                if self.failed_batches == 1:  # once an episode; the counters count each
+                    log.error("kafka refused the collector, retrying: %s", refusal)
+            elif self.failed_batches == 1:
                 log.warning("kafka send failed after %d records: %s", acked - self._offset, exc)
             # The rest of the batch fails too; take their errors so asyncio does not log
             # "exception was never retrieved" once per record.
@@ -359,6 +372,9 @@ class KafkaForwarder:
                     fut.add_done_callback(_retrieve)
             await self._drop_producer()
         done = acked - self._offset
+        if self.failed_batches == failures and failures:  # (a whole batch sent)
+            log.info("kafka takes the collector's events again after %d failed batches", failures)
+            self.failed_batches = 0
         if done:
             self._refused_send_time = False  # (an episode ends with a batch sent)
             self._commit(acked)
@@ -367,6 +383,11 @@ class KafkaForwarder:
             self.stats.too_large += skipped
             self.stats.unstamped += unstamped
         return done
+
+    def send_retry_delay(self) -> float:
+        """Seconds before the next try after `failed_batches` failed in a row: 0.2 s doubling
+        up to 5 s, as for a connection."""
+        return min(SEND_RETRY_MAX_S, SEND_RETRY_FIRST_S * 2.0 ** min(self.failed_batches - 1, 8))
 
     def _times_refused(self) -> None:
         """The broker refused a record's time as too far ahead of its clock. Sent again as
@@ -414,6 +435,10 @@ class KafkaForwarder:
                 # (not cut short by a wake: every scan wakes the forwarder)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), timeout=UNREADABLE_RETRY_S)
+            elif self.failed_batches:
+                # (not cut short by a wake either: the next scan must not retry at once)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), timeout=self.send_retry_delay())
             elif sent == 0:
                 self._wake.clear()
                 delay = 0.2 if self.connected else 1.0
