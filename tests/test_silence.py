@@ -5,18 +5,39 @@ time or the wall clock."""
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
 import logging
+import signal
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
-from streams import T0_MS, WINDOW, build, csv_lines, read_csv, reference, write_local_log
+from streams import (
+    HAMI_USAGE,
+    T0_MS,
+    WINDOW,
+    build,
+    create_topic,
+    csv_lines,
+    env,
+    final_report,
+    read_csv,
+    reference,
+    write_local_log,
+)
 from test_windows import Collector, row, state
 
-from collector.aggregate.records import BillingRecord
+from collector.aggregate.records import BillingRecord, iso_ms
 from collector.aggregate.service import AggregateSettings, run_local
 from collector.aggregate.silence import Silence
 from collector.aggregate.windows import Aggregator, WindowSettings
+from collector.layout.declarations import V12
+from collector.simulate import SimDevice, new_cache_file
 
 
 class Clock:
@@ -27,20 +48,26 @@ class Clock:
         return self.s
 
 
-def test_a_source_moves_on_from_its_newest_record_by_the_time_since_it_was_read() -> None:
+def test_a_source_moves_on_from_its_newest_record_by_the_time_it_was_seen_at_its_end() -> None:
     clock = Clock()
     silence = Silence(clock)
     assert silence.now_ms("p0") is None  # nothing read: nothing to say
     silence.read("p0", 5_000)
     clock.s += 2.5
+    assert silence.now_ms("p0") == 5_000  # not seen at its end since: a stall, an outage
+    silence.at_end("p0")
+    assert silence.now_ms("p0") == 7_500
+    clock.s += 60.0  # not seen since (the broker does not answer): no more
     assert silence.now_ms("p0") == 7_500
     silence.read("p0", 4_000)  # an older record time (a node behind): the newest stays
-    assert silence.now_ms("p0") == 7_500
-    silence.read("p0", 9_000)
+    silence.at_end("p0")
+    assert silence.now_ms("p0") == 67_500
+    silence.read("p0", 69_000)
     clock.s += 0.25
-    assert silence.now_ms("p0") == 9_250
+    silence.at_end("p0")
+    assert silence.now_ms("p0") == 69_250
     silence.read("p1", 1_000_000)  # another source's time is its own
-    assert silence.now_ms("p0") == 9_250
+    assert silence.now_ms("p0") == 69_250
     silence.forget("p0")
     assert silence.now_ms("p0") is None and silence.now_ms("p1") == 1_000_000
 
@@ -73,6 +100,7 @@ def node_a_records(ahead_s: int, live: bool) -> tuple[list[BillingRecord], int]:
         silence.read(1, tb)
         clock.s += 1.0
         for source, agg in aggs.items():
+            silence.at_end(source)
             if live and (now_ms := silence.now_ms(source)) is not None:
                 agg.idle(now_ms)
             out += agg.advance()
@@ -136,3 +164,101 @@ def test_a_live_aggregator_far_ahead_of_the_event_times_closes_no_window_early(
         assert "late_events" not in line, line
         asyncio.run(run_local(settings(True), asyncio.Event()))
     assert read_csv(out) == csv_lines(reference(msgs))
+
+
+WINDOWS = ["--window", "2", "--lateness", "1", "--max-gap", "4", "--max-skew", "2", "--idle", "7"]
+
+
+def live_pair(bootstrap: str, topic: str, tmp_path: Path) -> tuple[Any, Any, Any]:
+    """A collector of one container sending to `topic` and a live aggregator of it into
+    `b.csv` (windows of 2 s, idle 7 s); and the container's cache writer."""
+    asyncio.run(create_topic(bootstrap, topic, 1))
+    root = tmp_path / "root"
+    root.mkdir()
+    w = new_cache_file(root, "pod-1", "main", V12, [SimDevice("GPU-1", 8 << 30, 100)])
+    w.add_process(100, 4100)
+    w.add_memory(100, 0, "context", 64 << 20)
+    collect = subprocess.Popen(
+        [str(HAMI_USAGE), "collect", "--root", str(root), "--log", str(tmp_path / "spool"),
+         "--node", "n1", "--no-nvml", "--no-kubernetes", "--interval", "0.5", "--heartbeat", "1",
+         "--kafka", bootstrap, "--topic", topic],
+        env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    aggregate = subprocess.Popen(
+        [str(HAMI_USAGE), "aggregate", "--kafka", bootstrap, "--topic", topic,
+         "--billing-topic", f"{topic}.billing", "--group", f"{topic}.g",
+         "--csv", str(tmp_path / "b.csv"), *WINDOWS],
+        env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    return collect, aggregate, w
+
+
+def window_ends(out: Path) -> list[str]:
+    """The `window_end` of each container record written so far."""
+    if not out.exists():
+        return []
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    return [r["window_end"] for r in rows if r.get("kind") == "container"]
+
+
+def until(what: Callable[[], bool], proc: Any, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not what():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+
+
+def stop(collect: Any, aggregate: Any, w: Any) -> str:
+    aggregate.send_signal(signal.SIGCONT)
+    aggregate.terminate()
+    _, stderr = aggregate.communicate(timeout=60)
+    collect.terminate()
+    collect.wait(60)
+    w.close()
+    assert aggregate.returncode == 0, stderr[-3000:]
+    return str(stderr)
+
+
+@pytest.mark.kafka
+def test_a_partition_whose_nodes_all_fall_silent_closes_its_windows_after_idle(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """The only collector stops: once its partition has been seen at its end for `idle` (7 s),
+    the windows it held open close, each value to its max_gap cap, as `--drain` or its next
+    record would close them. Before, a partition closed on other partitions' record time: with
+    none (every node gone, a one-partition topic) its last windows waited for new traffic."""
+    collect, aggregate, w = live_pair(kafka_bootstrap, kafka_topic, tmp_path)
+    out = tmp_path / "b.csv"
+    try:
+        until(lambda: len(window_ends(out)) >= 2, aggregate, 120)
+        collect.terminate()
+        assert collect.wait(60) == 0
+        stopped = time.time()
+        # its last values held max_gap (4 s) past its last event: windows up to then close
+        until(lambda: iso_ms(max(window_ends(out))) > (stopped + 2) * 1000, aggregate, 60)
+    finally:
+        stderr = stop(collect, aggregate, w)
+    _, counters = final_report(stderr)
+    assert counters.get("late_events", 0) == 0, counters
+
+
+@pytest.mark.kafka
+def test_an_aggregator_stopped_longer_than_idle_bills_what_came_meanwhile(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """A live collector sends; the aggregator is stopped (SIGSTOP: a paused pod, a frozen VM)
+    for longer than `idle`. It has not seen its partition at its end meanwhile, so that time is
+    not silence: what was sent meanwhile is billed, none of it late."""
+    collect, aggregate, w = live_pair(kafka_bootstrap, kafka_topic, tmp_path)
+    out = tmp_path / "b.csv"
+    try:
+        until(lambda: len(window_ends(out)) >= 2, aggregate, 120)
+        aggregate.send_signal(signal.SIGSTOP)
+        time.sleep(12)  # longer than idle (7 s)
+        aggregate.send_signal(signal.SIGCONT)
+        closed = len(window_ends(out))
+        until(lambda: len(window_ends(out)) >= closed + 3, aggregate, 60)
+    finally:
+        stderr = stop(collect, aggregate, w)
+    _, counters = final_report(stderr)
+    assert counters.get("late_events", 0) == 0, counters

@@ -498,10 +498,12 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             if batch:
                 position = batch[-1].offset + 1
                 silence.read(0, max(r.timestamp_ms for r in batch))
-            elif (now_ms := silence.now_ms(0)) is not None:
+            else:
                 # Nothing new: the record time that has come anyway (see `silence`); the next
                 # record would close the same windows (windows/progress.py).
-                agg.idle(now_ms)
+                silence.at_end(0)
+                if (now_ms := silence.now_ms(0)) is not None:
+                    agg.idle(now_ms)
             read_damage(reader.stats, damage)
             done = not batch and settings.drain
             if done:
@@ -551,6 +553,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     aggs: dict[TopicPartition, Aggregator] = {}
     positions: dict[TopicPartition, int] = {}
     silence = Silence()  # each partition's newest record time read, and when
+    last_polled: dict[TopicPartition, int | None] = {}  # each one's last fetch seen (ms)
     # --drain: each partition held, and its end when it was assigned (a partition gained in a
     # rebalance is read to its own end before the drain flushes; one lost is no longer waited for)
     ends: dict[TopicPartition, int] = {}
@@ -656,6 +659,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     positions.pop(tp, None)
                     ends.pop(tp, None)
                     silence.forget(tp)
+                    last_polled.pop(tp, None)
 
         async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
             # aiokafka already hands out records of the new partitions while this runs; the
@@ -748,13 +752,20 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 tally.add(agg, tp.partition, msgs)
                 positions[tp] = msgs[-1].offset + 1
                 silence.read(tp, max(m.timestamp for m in msgs))
+            assigned = consumer.assignment()
             for tp, agg in aggs.items():
                 # A partition whose nodes all fell silent closes on its own record time moved
-                # on by the time since it was read (`silence`); only one read to its end is
-                # silent (a backlog is not).
-                high = consumer.highwater(tp)
-                now_ms = silence.now_ms(tp)
-                if high is not None and positions[tp] >= high and now_ms is not None:
+                # on by the time it has been seen at its end (`silence`): a fetch answered
+                # since the last loop (a new poll time) with nothing beyond what was read. A
+                # backlog is not silence, nor is a broker that does not answer.
+                high = consumer.highwater(tp) if tp in assigned else None
+                if high is None or positions[tp] < high:
+                    continue
+                polled = consumer.last_poll_timestamp(tp)
+                if polled != last_polled.get(tp):
+                    last_polled[tp] = polled
+                    silence.at_end(tp)
+                if (now_ms := silence.now_ms(tp)) is not None:
                     agg.idle(now_ms)
             if failed:
                 raise failed[0]
