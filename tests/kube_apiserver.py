@@ -211,6 +211,10 @@ def make_owned(
     }
 
 
+class _WatchEnded(Exception):
+    """The stand-in ended a watch with an ERROR event (`gone_after`)."""
+
+
 @dataclass
 class _Change:
     rv: int
@@ -225,6 +229,7 @@ class ApiServer:
     gone_as_status: bool = False  # 410 on a watch as the HTTP status instead of an ERROR event
     always_gone: bool = False  # every watch answered 410, from any version
     watches_end_at_once: bool = False  # every watch answered 200 and ended with no event
+    gone_after: int | None = None  # every watch ends with a 410 after this many events
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     replicasets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     jobs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
@@ -582,7 +587,15 @@ class ApiServer:
         resp._task = asyncio.current_task()  # type: ignore[attr-defined]
         self._streams.add(resp)
 
+        sent = 0
+
         async def send(kind: str, obj: dict[str, Any]) -> None:
+            nonlocal sent
+            if self.gone_after is not None and sent >= self.gone_after and kind != "ERROR":
+                gone = status_body(410, "Expired", "too old resource version (compacted)")
+                await resp.write(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
+                raise _WatchEnded
+            sent += 1
             await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
 
         try:
@@ -617,6 +630,8 @@ class ApiServer:
                         await asyncio.wait_for(
                             self._changed.wait(), min(left, self.bookmark_every_s)
                         )
+            await resp.write_eof()
+        except _WatchEnded:
             await resp.write_eof()
         finally:
             self._streams.discard(resp)

@@ -155,6 +155,7 @@ def test_precedence_flags_over_env_over_toml_over_defaults(
             HAMI_USAGE_LOG=str(tmp_path / "log-env-only"),
             HAMI_USAGE_MAX_SCANS="1",
             HAMI_USAGE_HEARTBEAT="0.5",
+            HAMI_USAGE_INTERVAL="0.25",  # (heartbeats say their spacing: 2 scans of 0.25 s)
             HAMI_USAGE_FSYNC="true",
             HAMI_USAGE_NODE="n-env",
         ),

@@ -241,6 +241,20 @@ async def test_watches_ended_at_once_or_gone_at_once_are_retried_with_back_off(
     assert any("answers again" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_410_after_a_watch_that_delivered_lists_again_at_once(
+    server: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A watch that delivered (here 3 bookmarks) and then got a 410 (the history compacted)
+    lists again at once, even when it was the first watch after a list: no error, no warning,
+    no back-off. Only a 410 the list's own version gets at once is retried with back-off."""
+    server.gone_after = 3
+    with caplog.at_level(logging.INFO, logger="collector.node.podwatch"):
+        async with watching(server, tmp_path) as watch:
+            await until(lambda: watch.stats.relists >= 3, 10)
+            assert watch.stats.errors == 0 and watch.stats.lists >= watch.stats.relists
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 async def test_dropped_streams_resume_from_the_last_version_seen(
     server: ApiServer, tmp_path: Path
 ) -> None:

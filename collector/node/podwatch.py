@@ -352,6 +352,7 @@ class PodWatch:
         self._selector = f"spec.nodeName={node}"
         self._episode = _Episode()
         self.synced = asyncio.Event()  # set after the first complete list
+        self._watch_events = 0  # events and bookmarks of the current (or last) watch
 
     # --- the protocol ----------------------------------------------------------------------
 
@@ -387,7 +388,8 @@ class PodWatch:
         except Gone:
             self.stats.relists += 1
             version, self.resource_version = self.resource_version, None
-            if listed:  # (listing again at once would loop as fast as the server answers)
+            if listed and not self._watch_events:  # (a list, then a watch refused at once:
+                # listing again at once would loop as fast as the server answers)
                 raise ShortWatch(
                     f"the version {version} of a list just made is too old (410) already"
                 ) from None
@@ -435,7 +437,8 @@ class PodWatch:
         self.synced.set()
 
     async def _watch(self, version: str) -> None:
-        began, events = time.monotonic(), 0
+        began = time.monotonic()
+        self._watch_events = events = 0
         resp = await _raw(
             self._core.list_pod_for_all_namespaces,
             field_selector=self._selector,
@@ -463,7 +466,7 @@ class PodWatch:
                     start = end + 1
                     if line.strip():
                         await self._event(line)
-                        events += 1
+                        self._watch_events = events = events + 1
                         if self._episode.what is not None:
                             self._recovered()  # an event was understood: really back
                 del buf[:start]
@@ -472,7 +475,7 @@ class PodWatch:
                 await self._pause(resp)
             if buf.strip():
                 await self._event(bytes(buf))
-                events += 1
+                self._watch_events = events = events + 1
             lasted = time.monotonic() - began
             if not events and lasted < SHORT_WATCH_S:
                 raise ShortWatch(f"the server ended a watch after {lasted:.3f} s with no event")

@@ -79,13 +79,17 @@ class Scanner:
         self.reuse = reuse
         self.writer_faults = WriterFaults(writer_faults)
         self.heartbeat_ms = int(heartbeat_s * 1000)
-        # What heartbeats say their spacing is: a heartbeat goes out on the first scan at least
-        # `heartbeat_ms` after the last, so scans 20 s apart send one every 40 s for 30 s, and
-        # scans 120 s apart one every 120 s (the aggregator warns when it exceeds max_gap).
+        # Heartbeats go out on scans: every `heartbeat_ms` rounded up to a whole number of scan
+        # intervals (scans 20 s apart send one every 40 s for 30 s, 120 s apart every 120 s),
+        # which each says (the aggregator warns when it exceeds max_gap). A scan half an
+        # interval early still sends it: scans run late or early by a little, and a heartbeat
+        # due "at least 30 s" after one taken a little late slipped a whole scan.
         self.heartbeat_every_ms = self.heartbeat_ms
+        self._heartbeat_due_ms = self.heartbeat_ms
         if scan_interval_s:
             scan_ms = max(1, int(scan_interval_s * 1000))
             self.heartbeat_every_ms = max(-(-self.heartbeat_ms // scan_ms), 1) * scan_ms
+            self._heartbeat_due_ms = self.heartbeat_every_ms - scan_ms // 2
         self.host_proc = host_proc
         self.presence_policy: Presence = presence_policy
         self.crosscheck = crosscheck
@@ -213,7 +217,7 @@ class Scanner:
         self.stats.anomalies += sum(isinstance(e, LayoutAnomaly) for e in events)
         if (
             self._last_heartbeat_ms is None
-            or self._ts - self._last_heartbeat_ms >= self.heartbeat_ms
+            or self._ts - self._last_heartbeat_ms >= self._heartbeat_due_ms
         ):
             self._last_heartbeat_ms = self._ts
             events += self._heartbeat(elapsed_ms, spool_depth, dropped, log_blocked)

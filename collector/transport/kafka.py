@@ -203,6 +203,8 @@ def make_producer(s: ProducerSettings) -> AIOKafkaProducer:
 # shape of `_ensure_producer`'s back-off between connections.
 SEND_RETRY_FIRST_S: Final = 0.2
 SEND_RETRY_MAX_S: Final = 5.0
+# A failure that goes on (the same kind, batch after batch) is logged again this often.
+FAILURE_REPEAT_S: Final = 300.0
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -233,6 +235,7 @@ class KafkaForwarder:
         # `send_retry_delay()`, as a failed connection does (a refusal at send time, a topic
         # ACL missing, was retried at every scan, with a new connection and an ERROR line).
         self.failed_batches = 0
+        self._failure_said: tuple[str, float] | None = None  # kind and time of the last line
         try:
             committed = self.reader.committed(FORWARDER_GROUP)
         except CorruptCheckpointError as exc:
@@ -361,9 +364,9 @@ class KafkaForwarder:
                 self._times_refused()
             elif refusal is not None:
                 self._count_refused(refusal)
-                if self.failed_batches == 1:  # once an episode; the counters count each
+                if self._say_failure(refusal.kind):
                     log.error("kafka refused the collector, retrying: %s", refusal)
-            elif self.failed_batches == 1:
+            elif self._say_failure(type(exc).__name__):
                 log.warning("kafka send failed after %d records: %s", acked - self._offset, exc)
             # The rest of the batch fails too; take their errors so asyncio does not log
             # "exception was never retrieved" once per record.
@@ -383,6 +386,21 @@ class KafkaForwarder:
             self.stats.too_large += skipped
             self.stats.unstamped += unstamped
         return done
+
+    def _say_failure(self, kind: str) -> bool:
+        """Whether to log this failed batch: the first of an episode, one of another kind than
+        the last logged, or one `FAILURE_REPEAT_S` after it (the counters count each)."""
+        now = time.monotonic()
+        said = self._failure_said
+        say = (
+            self.failed_batches == 1
+            or said is None
+            or said[0] != kind
+            or now - said[1] >= FAILURE_REPEAT_S
+        )
+        if say:
+            self._failure_said = (kind, now)
+        return say
 
     def send_retry_delay(self) -> float:
         """Seconds before the next try after `failed_batches` failed in a row: 0.2 s doubling

@@ -250,7 +250,7 @@ class Aggregator:
             self._progress.future_by_node = future
 
     def idle(self, now_ms: int) -> None:
-        """Record time `now_ms` has come from other traffic: sources silent for longer than
+        """Record time `now_ms` has come (`aggregate/silence.py`): sources silent for longer than
         `idle_ms` let their nodes' windows close at the next `advance()` (see `progress`)."""
         self._progress.idle(now_ms)
 

@@ -17,8 +17,9 @@ last record time; idle nodes do not hold the source back. A node that sends agai
 again, and its events before the closed end are late. When every node of a source is idle, the
 source closes everything: each value runs to its `max_gap_ms` cap, as `flush()` does. Only
 record timestamps decide this, never the wall clock, so a replay decides exactly as the live run
-did: `Aggregator.idle(now_ms)` (the service calls it with the record time of other traffic, or
-the clock when there is none) has the same effect as the source's next record would have.
+did: `Aggregator.idle(now_ms)` (the service calls it with the source's own newest record time
+moved on by the time it was seen at its end: `aggregate/silence.py`) has the same effect as the
+source's next record would have.
 
 The watermark never goes back: before a node joins (or rejoins) and lowers the minimum, the
 progress so far is kept. So the watermark is a function of the input read so far, whatever
@@ -201,7 +202,7 @@ class Progress:
         return n.top if n.top > s.floor else s.floor
 
     def idle(self, now_ms: int) -> None:
-        """Record time `now_ms` has come (from other traffic): nodes of a source silent for
+        """Record time `now_ms` has come (`aggregate/silence.py`): nodes of a source silent for
         longer than the idle time turn idle, exactly as at the source's next record."""
         for s in self._src.values():
             if now_ms >= s.next_idle:
