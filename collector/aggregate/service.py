@@ -771,7 +771,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 raise failed[0]
             # (a drain is done only once every partition aiokafka assigned is placed: it can
             # hand out a batch after an assignment, before it calls the listener)
-            ready = placed() and consumer.assignment() == aggs.keys()
+            ready = placed() and assigned == aggs.keys()
             done = settings.drain and ready and await _caught_up(consumer, ends)
             records = _sorted(
                 r for agg in aggs.values() for r in (agg.flush() if done else agg.advance())

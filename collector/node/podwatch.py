@@ -438,7 +438,7 @@ class PodWatch:
 
     async def _watch(self, version: str) -> None:
         began = time.monotonic()
-        self._watch_events = events = 0
+        self._watch_events = 0
         resp = await _raw(
             self._core.list_pod_for_all_namespaces,
             field_selector=self._selector,
@@ -466,7 +466,7 @@ class PodWatch:
                     start = end + 1
                     if line.strip():
                         await self._event(line)
-                        self._watch_events = events = events + 1
+                        self._watch_events += 1
                         if self._episode.what is not None:
                             self._recovered()  # an event was understood: really back
                 del buf[:start]
@@ -475,9 +475,9 @@ class PodWatch:
                 await self._pause(resp)
             if buf.strip():
                 await self._event(bytes(buf))
-                self._watch_events = events = events + 1
+                self._watch_events += 1
             lasted = time.monotonic() - began
-            if not events and lasted < SHORT_WATCH_S:
+            if not self._watch_events and lasted < SHORT_WATCH_S:
                 raise ShortWatch(f"the server ended a watch after {lasted:.3f} s with no event")
             if self._episode.what is not None:
                 self._recovered()
