@@ -59,9 +59,12 @@ def test_a_source_moves_on_from_its_newest_record_by_the_time_it_was_seen_at_its
     assert silence.now_ms("p0") == 7_500
     clock.s += 60.0  # not seen since (the broker does not answer): no more
     assert silence.now_ms("p0") == 7_500
+    silence.at_end("p0")  # a sighting 60 s after the last: that time is not counted
+    assert silence.now_ms("p0") == 7_500
+    clock.s += 1.0
     silence.read("p0", 4_000)  # an older record time (a node behind): the newest stays
     silence.at_end("p0")
-    assert silence.now_ms("p0") == 67_500
+    assert silence.now_ms("p0") == 8_500
     silence.read("p0", 69_000)
     clock.s += 0.25
     silence.at_end("p0")
