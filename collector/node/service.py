@@ -30,6 +30,7 @@ from .nvml import NvmlSource
 from .podwatch import KubeSettings, PodWatch, open_api
 from .presence import PresenceStage
 from .scan import Scanner
+from .schedule import ScanSchedule
 from .writer_faults import WriterFaultSettings
 
 log = logging.getLogger(__name__)
@@ -274,8 +275,9 @@ class Collector:
         scans = 0
         try:
             self._append(self.scanner.announce(socket.gethostname(), str(self.settings.log_dir)))
-            next_at = time.monotonic()
+            schedule = ScanSchedule(self.settings.interval_s, time.monotonic())
             while not self.stopping.is_set():
+                schedule.start(time.monotonic())
                 events = await asyncio.to_thread(
                     self.scanner.scan,
                     spool_depth=self.spool_depth(),
@@ -287,15 +289,7 @@ class Collector:
                 scans += 1
                 if self.settings.max_scans is not None and scans >= self.settings.max_scans:
                     break
-                # On time, the interval goes on from the schedule (no drift). Behind it (the
-                # process was stopped, a scan took longer than the interval), the next scan is
-                # one interval after this one: missed scans are not made up, and a process
-                # resumed from a stop scans once, not twice back to back.
-                now = time.monotonic()
-                next_at += self.settings.interval_s
-                if next_at < now:
-                    next_at = now + self.settings.interval_s
-                delay = next_at - now
+                delay = schedule.wait(time.monotonic())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
         finally:
