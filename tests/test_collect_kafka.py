@@ -8,6 +8,7 @@ its records, in order, once each, also across a broker outage.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 from pathlib import Path
@@ -233,6 +234,11 @@ def test_broker_outage_spools_and_drains_exactly_once(
             wait_until(lambda: spool_is_drained(spool), 90, "the spool to drain")
 
         assert collector.stop(signal.SIGTERM) == 0, collector.stderr()
+        # One line for the whole outage, however many connections failed, and one when over.
+        text = collector.stderr()
+        assert text.count("kafka unreachable, retrying") == 1, text
+        (tries,) = re.findall(r"kafka takes the collector's connection again after (\d+) f", text)
+        assert int(tries) >= 2, text
     finally:
         sim.close()
         if collector is not None and collector.running():

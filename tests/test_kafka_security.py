@@ -327,6 +327,8 @@ def test_a_password_file_fixed_in_place_is_used_at_the_next_retry(
     try:
         refused(proc, err_path)
         assert "authentication" in err_path.read_text().lower()
+        time.sleep(3)  # tries after 0.2, 0.4, 0.8 and 1.6 s: one line for them all
+        assert err_path.read_text().count("kafka refused the collector, retrying: ") == 1
         password.write_text(secure.password_file("collector").read_text())
         deadline = time.monotonic() + 90
         while True:
@@ -336,6 +338,10 @@ def test_a_password_file_fixed_in_place_is_used_at_the_next_retry(
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
             time.sleep(1)
         assert {m.key for m in got} == {b"n1"}
+        text = err_path.read_text()
+        (tries,) = re.findall(r"kafka takes the collector's connection again after (\d+) f", text)
+        assert int(tries) >= 3, text
+        assert text.count("kafka refused the collector, retrying: ") == 1, text
     finally:
         proc.terminate()
         proc.wait(30)

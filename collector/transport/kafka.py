@@ -207,6 +207,23 @@ SEND_RETRY_MAX_S: Final = 5.0
 FAILURE_REPEAT_S: Final = 300.0
 
 
+class Repeats:
+    """Which failures of a repeating kind to log: the first of an episode, one of another kind
+    than the last logged, and one every `FAILURE_REPEAT_S` while it lasts (each is counted on
+    `/metrics` all the same): a broker away for a day is a handful of lines, not thousands."""
+
+    def __init__(self) -> None:
+        self._said: tuple[str, float] | None = None  # kind and time of the last line
+
+    def say(self, kind: str, first: bool) -> bool:
+        now = time.monotonic()
+        said = self._said
+        say = first or said is None or said[0] != kind or now - said[1] >= FAILURE_REPEAT_S
+        if say:
+            self._said = (kind, now)
+        return say
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -235,7 +252,8 @@ class KafkaForwarder:
         # `send_retry_delay()`, as a failed connection does (a refusal at send time, a topic
         # ACL missing, was retried at every scan, with a new connection and an ERROR line).
         self.failed_batches = 0
-        self._failure_said: tuple[str, float] | None = None  # kind and time of the last line
+        self._batch_lines = Repeats()
+        self._connect_lines = Repeats()
         try:
             committed = self.reader.committed(FORWARDER_GROUP)
         except CorruptCheckpointError as exc:
@@ -264,10 +282,12 @@ class KafkaForwarder:
             refusal = Refusal("certificate", str(error))
         elif refusal is None and error is not None:
             refusal = classify(error)
+        first = state.attempt_number == 1
         if refusal is not None:
             self._count_refused(refusal)
-            log.error("kafka refused the collector, retrying: %s", refusal)
-        else:
+            if self._connect_lines.say(refusal.kind, first):
+                log.error("kafka refused the collector, retrying: %s", refusal)
+        elif self._connect_lines.say("unreachable", first):
             log.warning("kafka unreachable, retrying: %r", error)
 
     def _count_refused(self, refusal: Refusal) -> None:
@@ -298,6 +318,11 @@ class KafkaForwarder:
                 except BaseException:
                     await producer.stop()
                     raise
+        if attempt.retry_state.attempt_number > 1:
+            log.info(
+                "kafka takes the collector's connection again after %d failed tries",
+                attempt.retry_state.attempt_number - 1,
+            )
         self._producer = producer
         self.connected = True
         self.stats.reconnects += 1
@@ -364,9 +389,9 @@ class KafkaForwarder:
                 self._times_refused()
             elif refusal is not None:
                 self._count_refused(refusal)
-                if self._say_failure(refusal.kind):
+                if self._batch_lines.say(refusal.kind, self.failed_batches == 1):
                     log.error("kafka refused the collector, retrying: %s", refusal)
-            elif self._say_failure(type(exc).__name__):
+            elif self._batch_lines.say(type(exc).__name__, self.failed_batches == 1):
                 log.warning("kafka send failed after %d records: %s", acked - self._offset, exc)
             # The rest of the batch fails too; take their errors so asyncio does not log
             # "exception was never retrieved" once per record.
@@ -386,21 +411,6 @@ class KafkaForwarder:
             self.stats.too_large += skipped
             self.stats.unstamped += unstamped
         return done
-
-    def _say_failure(self, kind: str) -> bool:
-        """Whether to log this failed batch: the first of an episode, one of another kind than
-        the last logged, or one `FAILURE_REPEAT_S` after it (the counters count each)."""
-        now = time.monotonic()
-        said = self._failure_said
-        say = (
-            self.failed_batches == 1
-            or said is None
-            or said[0] != kind
-            or now - said[1] >= FAILURE_REPEAT_S
-        )
-        if say:
-            self._failure_said = (kind, now)
-        return say
 
     def send_retry_delay(self) -> float:
         """Seconds before the next try after `failed_batches` failed in a row: 0.2 s doubling
