@@ -18,7 +18,6 @@ import argparse
 import cProfile
 import gzip
 import io
-import os
 import pstats
 import random
 import statistics
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from collector.events import Event, Heartbeat, UsageSample, encode  # noqa: E402
+from collector.node.discover import TIMESTAMP_WINDOW_NS  # noqa: E402
 from collector.node.scan import Scanner  # noqa: E402
 from collector.simulate import GiB, MiB, NodeSimulator  # noqa: E402
 
@@ -53,10 +53,8 @@ def build(root: Path, containers: int, seed: int) -> NodeSimulator:
                 c.writer.add_memory(p.pid, d, "context", 300 * MiB)
                 p.memory[d] = p.memory.get(d, 0) + n
     # A node in steady state: the containers started a while ago. (Discovery lists a
-    # directory again while its mtime is under two seconds old.)
-    old = time.time() - 3600
-    for entry in os.scandir(root):
-        os.utime(entry.path, (old, old))
+    # directory again while its ctime is under two seconds old, and a ctime cannot be set back.)
+    time.sleep(TIMESTAMP_WINDOW_NS / 1e9 + 0.1)
     return sim
 
 

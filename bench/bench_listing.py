@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from collector.node.discover import ListingLimits  # noqa: E402
+from collector.node.discover import TIMESTAMP_WINDOW_NS, ListingLimits  # noqa: E402
 from collector.node.scan import Scanner  # noqa: E402
 from collector.simulate import NodeSimulator  # noqa: E402
 
@@ -43,8 +43,7 @@ def main() -> None:
         for i in range(args.entries):
             (big / f"{i:06d}").touch()
         old = time.time() - 3600
-        for entry in os.scandir(root):
-            os.utime(entry.path, (old, old))
+        time.sleep(TIMESTAMP_WINDOW_NS / 1e9 + 0.1)  # the folders' ctime older than the window
         scanners = {
             "unbounded (before)": Scanner(
                 root,

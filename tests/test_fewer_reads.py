@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
+from test_kept_descriptors import replaced
 from test_parse_memo import GPUS, apply, steps
 
 from collector.events import (
@@ -220,7 +221,7 @@ def test_a_file_replaced_in_a_settled_folder_is_reopened(
     w2.add_process(7, 4007)
     os.replace(new, path)
     os.utime(path.parent, (OLD, OLD))  # the mtime put back: the ctime still moved
-    assert limits(s.scan(now_ms=3000)) == [2 * GiB]  # read from the new file
+    assert replaced(s.scan(now_ms=3000)) == [2 * GiB]  # read from the new file
     w.close()
     w2.close()
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +55,15 @@ def limits(events: list[Event]) -> list[int]:
     return [d.limit_bytes for e in events if isinstance(e, LimitsChanged) for d in e.devices]
 
 
+def replaced(events: list[Event]) -> list[int]:
+    """The limits of the file that replaced another: a new inode is a new container file,
+    the old one gone (a `ContainerGone` of another cid), the new one appeared."""
+    (gone,) = [e for e in events if isinstance(e, ContainerGone)]
+    (new,) = [e for e in events if isinstance(e, ContainerAppeared)]
+    assert gone.cid != new.cid and not limits(events)
+    return [d.limit_bytes for d in new.devices]
+
+
 def test_a_file_replaced_under_its_name_is_reopened(tmp_path: Path) -> None:
     path, w = container(tmp_path, "main")
     s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
@@ -60,7 +71,7 @@ def test_a_file_replaced_under_its_name_is_reopened(tmp_path: Path) -> None:
     assert s.discovery.open_count == 2  # the folder and the file
     first_ino = path.stat().st_ino
     # A new file with another limit renamed over the old name (a new inode); the folder's
-    # mtime put back, so only the per-scan lstat of the kept file can see it.
+    # mtime put back (its ctime still moves, so the folder is listed again).
     new = path.with_name("new.tmp")
     w2 = write(new, 2 * GiB)
     os.replace(new, path)
@@ -68,7 +79,7 @@ def test_a_file_replaced_under_its_name_is_reopened(tmp_path: Path) -> None:
     assert path.stat().st_ino != first_ino
     fds = open_fds()
     events = s.scan(now_ms=2000)
-    assert limits(events) == [2 * GiB]  # read from the new file, not the kept old one
+    assert replaced(events) == [2 * GiB]  # read from the new file, not the kept old one
     assert s.discovery.open_count == 2
     assert open_fds() == fds  # the old descriptor was closed, the new one kept
     w2.add_memory(7, 0, "data", 5 * MiB)
@@ -203,3 +214,72 @@ def test_a_filesystem_mounted_over_the_root_is_read_not_the_hidden_one(
     (appeared,) = [e for e in events if isinstance(e, ContainerAppeared)]
     assert (appeared.cid, appeared.devices[0].limit_bytes) == (1, 3 * GiB)
     assert [e.cid for e in events if isinstance(e, ContainerGone)] == [0]
+
+
+def stale_listing(tmp_path: Path) -> tuple[Path, CacheWriter, Scanner]:
+    """A container whose folder holds more entries than a cache folder ever does, so its
+    listing is kept for `relist_s` (here an hour): what the name is now is found at open."""
+    path, w = container(tmp_path, "main")
+    for i in range(4):
+        (path.parent / f"other{i}").touch()
+    limits_ = ListingLimits(max_entries=3, relist_s=3600)
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1, listing=limits_)
+    (appeared,) = [e for e in s.scan(now_ms=1000) if isinstance(e, ContainerAppeared)]
+    assert [d.limit_bytes for d in appeared.devices] == [GiB]
+    return path, w, s
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_name_swapped_for_a_fifo_or_directory_after_the_listing_is_never_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A tenant's own folder: x.cache swapped, after the listing, for something that is not a
+    regular file. Opening it could block (a FIFO) or act on a device (a tape rewinds); the
+    name was opened and only then found not to be a file."""
+    path, w, s = stale_listing(tmp_path)
+    w.close()
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    opened: list[int] = []  # the type of each descriptor opened for reading
+    real_open = os.open
+
+    def spy(file: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(file, flags, *args, **kwargs)
+        if not flags & (os.O_PATH | os.O_DIRECTORY):  # (a folder is opened to list it)
+            opened.append(stat.S_IFMT(os.fstat(fd).st_mode))
+        return fd
+
+    monkeypatch.setattr(os, "open", spy)
+    events = s.scan(now_ms=2000)
+    assert opened == []  # nothing opened: not the FIFO, not the directory
+    assert [(e.path, e.anomaly, e.detail) for e in events if isinstance(e, LayoutAnomaly)] == [
+        (str(path), "skipped_path", "not a regular file")
+    ]
+    assert len([e for e in events if isinstance(e, ContainerGone)]) == 1
+
+
+def test_a_file_replaced_after_the_listing_is_not_read_as_the_listed_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new inode under the listed name is another container file: the listed one is gone
+    (never the new file's values under its identity), and the new one appears when the folder
+    is listed again."""
+    path, w, s = stale_listing(tmp_path)
+    new = path.with_name("new.tmp")
+    w2 = write(new, 2 * GiB)
+    os.replace(new, path)
+    events = s.scan(now_ms=2000)
+    assert limits(events) == [] and not [e for e in events if isinstance(e, ContainerAppeared)]
+    assert len([e for e in events if isinstance(e, ContainerGone)]) == 1
+    monkeypatch.setattr(s.discovery, "limits", ListingLimits(max_entries=3, relist_s=0.0))
+    assert replaced_later(s.scan(now_ms=3000)) == [2 * GiB]
+    w.close()
+    w2.close()
+
+
+def replaced_later(events: list[Event]) -> list[int]:
+    (new,) = [e for e in events if isinstance(e, ContainerAppeared)]
+    return [d.limit_bytes for d in new.devices]

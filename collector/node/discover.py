@@ -1,14 +1,19 @@
 """Find `<root>/<podUID>_<container>/*.cache` files, and open them without leaving the root.
 
-A container directory is listed again only when its mtime changes, so an idle node costs one
+A container directory is listed again only when its ctime changes (every entry added, removed or
+renamed changes it, and unlike the mtime nobody can set it back), so an idle node costs one
 listing of the root plus one `stat` per directory each interval.
 
 Nothing under the root is trusted: tenants write the container directories. No symlink is ever
 followed below the root: each container directory is opened `O_DIRECTORY|O_NOFOLLOW` relative to
-a descriptor of the root, and each file `O_NOFOLLOW` relative to that directory's descriptor, so
-a name swapped for a symlink between listing and opening (even with the directory's mtime put
-back) fails to open instead of reading what it points at. A file with more than one hard link
-could be a link to a file elsewhere on the same filesystem: it is refused too.
+a descriptor of the root, and each file `O_PATH|O_NOFOLLOW` relative to that directory's
+descriptor, so a name swapped for a symlink between listing and opening is found to be one
+instead of reading what it points at. Only what that descriptor shows to be a regular file with
+one link is then opened for reading, through the descriptor itself (`/proc/self/fd`), so a name
+swapped for a FIFO or a device node is never opened (opening a device can act on it), and a file
+with more than one hard link, which could be a link to a file elsewhere on the same filesystem,
+is refused. A name that is another file than the listing found is not read under the listed
+file's identity: the listed file is gone, and the folder is listed again.
 
 Listing is bounded (see `ListingLimits`): a directory with more entries than a cache directory
 ever holds is listed at most once per `relist_s`, and listings stop for the rest of a scan once
@@ -48,8 +53,11 @@ from ..layout.snapshot import shown_path
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO named *.cache must not hang the open; O_NOCTTY: nor a tty become ours.
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+# (no O_NOFOLLOW: a file is opened through its /proc/self/fd link, which it would refuse)
+_FILE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 SYMLINK = "a symlink: never followed below the root"
+NOT_REGULAR = "not a regular file"
 # Names go into events and metric labels, which are UTF-8: a name that is not is reported (its
 # bytes escaped) and its folder or file not read.
 NOT_UTF8 = "a name that is not UTF-8"
@@ -130,7 +138,7 @@ class ListingStats:
 
 @dataclass
 class _Dir:
-    mtime_ns: int
+    ctime_ns: int
     files: list[CacheFile] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     entries: int = 0
@@ -205,7 +213,7 @@ class Discovery:
             self.unlisted.add(self.shown_root)
             return [], [Skipped(self.shown_root, f"cannot list the root: {exc.strerror}")]
         skipped: list[Skipped] = []
-        dirs: list[tuple[str, str, int]] = []  # (name, path, mtime_ns) of container directories
+        dirs: list[tuple[str, str, int]] = []  # (name, path, ctime_ns) of container directories
         held = self._held
         still: set[str] = set()  # kept directories that are still the same directory
         paths, root, root_fd = self._paths, self.shown_root, self._root_fd
@@ -240,7 +248,7 @@ class Discovery:
             elif "_" not in name:
                 skipped.append(Skipped(path, "directory name has no '_' (podUID_container)"))
             else:
-                dirs.append((name, path, st.st_mtime_ns))
+                dirs.append((name, path, st.st_ctime_ns))
                 # (a folder removed has no links: its inode number may already be another's)
                 if h is not None and h.ino == st.st_ino and h.dev == st.st_dev and st.st_nlink:
                     still.add(name)
@@ -291,81 +299,81 @@ class Discovery:
         out: dict[str, _Dir] = {}
         due: list[tuple[float, str, str, int]] = []
         known = self._dirs
-        for name, path, mtime_ns in dirs:
+        for name, path, ctime_ns in dirs:
             cached = known.get(name)
             if cached is not None:
                 out[name] = cached
                 # The usual case, without a call: unchanged, older than the window, not large.
                 if (
-                    cached.mtime_ns == mtime_ns
-                    and mtime_ns <= recent
+                    cached.ctime_ns == ctime_ns
+                    and ctime_ns <= recent
                     and cached.entries <= self.limits.max_entries
                 ):
                     continue
-            if self._due(cached, mtime_ns, now):
-                due.append((-1.0 if cached is None else cached.listed_at, name, path, mtime_ns))
+            if self._due(cached, ctime_ns, now):
+                due.append((-1.0 if cached is None else cached.listed_at, name, path, ctime_ns))
         spent = 0.0
-        for _, name, path, mtime_ns in sorted(due):
+        for _, name, path, ctime_ns in sorted(due):
             if name in out and spent >= self.limits.budget_s:
                 self.stats.deferred += 1  # keep the last listing; list it next scan
                 if out[name].failed:
                     self.unlisted.add(path)  # still unknown, not empty
                 continue
             started = time.perf_counter()
-            out[name] = self._list(name, path, mtime_ns, now)
+            out[name] = self._list(name, path, ctime_ns, now)
             spent += time.perf_counter() - started
         return out
 
-    def _due(self, cached: _Dir | None, mtime_ns: int, now: float) -> bool:
+    def _due(self, cached: _Dir | None, ctime_ns: int, now: float) -> bool:
         if cached is None:
             return True
         if cached.entries > self.limits.max_entries:
             return now - cached.listed_at >= self.limits.relist_s
-        # A change within the filesystem's timestamp granularity can leave mtime as it was,
+        # A change within the filesystem's timestamp granularity can leave its ctime as it was,
         # so a directory touched in the last two seconds is listed again anyway.
-        recent = time.time_ns() - mtime_ns < TIMESTAMP_WINDOW_NS
-        return cached.mtime_ns != mtime_ns or recent
+        recent = time.time_ns() - ctime_ns < TIMESTAMP_WINDOW_NS
+        return cached.ctime_ns != ctime_ns or recent
 
-    def _list(self, name: str, path: str, mtime_ns: int, now: float) -> _Dir:
+    def _list(self, name: str, path: str, ctime_ns: int, now: float) -> _Dir:
         pod_uid, container = name.split("_", 1)  # split on the first '_' only
         self.stats.listings += 1
-        d = _Dir(mtime_ns, listed_at=now)
+        d = _Dir(ctime_ns, listed_at=now)
         try:
             fd = self._open_dir(name)
         except FileNotFoundError:
-            d.mtime_ns = -1  # gone since the stat: nothing to list
+            d.ctime_ns = -1  # gone since the stat: nothing to list
             return d
         except OSError as exc:
             return self._unlisted(d, path, exc)
         try:
-            dev = os.fstat(fd).st_dev
-            found = []
+            found: list[str] = []
             with os.scandir(fd) as it:
                 for entry in it:
                     d.entries += 1
                     if entry.name.endswith(".cache"):
-                        found.append(entry)
+                        found.append(entry.name)
+            for file_name in sorted(found):
+                file_path = os.path.join(path, file_name)
+                if not file_name.isascii() and not _utf8(file_name):
+                    d.skipped.append(Skipped(shown_path(file_path), NOT_UTF8))
+                    continue
+                # An lstat, not the listing's d_type and d_ino: some filesystems give no type
+                # (XFS without ftype), and overlayfs's d_ino need not be the st_ino that a
+                # later open must find again.
+                try:
+                    st = os.stat(file_name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed since the listing
+                if stat.S_ISLNK(st.st_mode):
+                    d.skipped.append(Skipped(file_path, SYMLINK))
+                elif not stat.S_ISREG(st.st_mode):
+                    d.skipped.append(Skipped(file_path, NOT_REGULAR))
+                else:
+                    d.files.append(CacheFile(pod_uid, container, file_path, st.st_ino, st.st_dev))
         except OSError as exc:
             return self._unlisted(d, path, exc)
         finally:
             os.close(fd)
-        for entry in sorted(found, key=lambda e: e.name):
-            if not entry.name.isascii() and not _utf8(entry.name):
-                d.skipped.append(Skipped(shown_path(os.path.join(path, entry.name)), NOT_UTF8))
-                continue
-            file_path = os.path.join(path, entry.name)
-            try:
-                # d_type from the listing, else an lstat relative to the directory's fd.
-                if entry.is_symlink():
-                    d.skipped.append(Skipped(file_path, SYMLINK))
-                    continue
-                if not entry.is_file(follow_symlinks=False):
-                    d.skipped.append(Skipped(file_path, "not a regular file"))
-                    continue
-                ino = entry.inode()
-            except OSError:
-                continue
-            d.files.append(CacheFile(pod_uid, container, file_path, ino, dev))
         return d
 
     def _unlisted(self, d: _Dir, path: str, exc: OSError) -> _Dir:
@@ -375,7 +383,7 @@ class Discovery:
             d.skipped.append(Skipped(path, f"cannot list: {exc.strerror}"))
             d.failed = True
             self.unlisted.add(path)
-        d.mtime_ns = -1  # never a cache hit: list it again next scan
+        d.ctime_ns = -1  # never a cache hit: list it again next scan
         return d
 
     def open(self, f: CacheFile) -> Opened | Skipped:
@@ -417,28 +425,50 @@ class Discovery:
                 return Skipped(os.path.dirname(f.path), SYMLINK)
             raise
         try:
-            fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                return Skipped(f.path, SYMLINK)
-            raise
+            opened = self._open_regular(name, dir_fd, f)
         finally:
             if not dir_kept:
                 os.close(dir_fd)
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            os.close(fd)
-            raise
-        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            os.close(fd)
-            return _hard_linked(f.path, st.st_nlink)
+        if not isinstance(opened, tuple):
+            listing = self._dirs.get(dir_name)
+            if listing is not None:
+                listing.ctime_ns = -1  # not what the listing found: list the folder again
+            return opened
+        fd, st = opened
         h = self._held.get(dir_name)
-        if h is not None and stat.S_ISREG(st.st_mode) and self._open_count < self.max_open:
+        if h is not None and self._open_count < self.max_open:
             h.files[name] = (fd, st.st_dev, st.st_ino, None)
             self._open_count += 1
             return Opened(fd, st, True)
         return Opened(fd, st, False)
+
+    def _open_regular(
+        self, name: str, dir_fd: int, f: CacheFile
+    ) -> tuple[int, os.stat_result] | Skipped:
+        """The listed file `f`, by its `name` in the folder `dir_fd`, opened for reading if it
+        still is that file and a regular one with one link. The name is looked up once, into
+        an `O_PATH` descriptor (which opens nothing: no device acts on it, no FIFO blocks), and
+        what that descriptor is is what gets opened."""
+        path_fd = os.open(name, _PATH_FLAGS, dir_fd=dir_fd)
+        try:
+            st = os.fstat(path_fd)
+            if stat.S_ISLNK(st.st_mode):  # (O_PATH|O_NOFOLLOW gives the link itself)
+                return Skipped(f.path, SYMLINK)
+            if not stat.S_ISREG(st.st_mode):
+                return Skipped(f.path, NOT_REGULAR)
+            if st.st_ino != f.ino or st.st_dev != f.dev:
+                # Another file by the listed name: the listed one is gone, this one is new
+                # (a file is identified by its inode) and is read once the folder is listed.
+                raise FileNotFoundError(errno.ENOENT, "replaced since it was listed", f.path)
+            if st.st_nlink > 1:
+                return _hard_linked(f.path, st.st_nlink)
+            try:
+                fd = os.open(f"/proc/self/fd/{path_fd}", _FILE_FLAGS)
+            except FileNotFoundError as exc:  # (no /proc: never a reason to call a file gone)
+                raise OSError(errno.EOPNOTSUPP, "cannot open through /proc/self/fd") from exc
+            return fd, st
+        finally:
+            os.close(path_fd)
 
     def _dir_fd(self, name: str) -> tuple[int, bool]:
         """A container directory's descriptor: the kept one, or a new one kept when the bound
