@@ -275,3 +275,13 @@ def writable_file(flag: str, value: str) -> None:
     os.close(fd)
     if st is None:
         os.unlink(value)
+
+
+def utf8(text: str) -> bool:
+    """Whether text from the filesystem or the environment is UTF-8 (Python holds bytes that
+    are not as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

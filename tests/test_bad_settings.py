@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from collector.transport.security import KafkaSecurity
+
 HAMI_USAGE = Path(sys.executable).parent / "hami-usage"
 LONG_NODE = "n" * 70_000
 
@@ -625,4 +627,58 @@ def test_a_bad_topics_table_is_the_running_commands_error(
                *where, cwd=tmp_path)  # fmt: skip
     assert_one_line(
         proc, f"hami-usage {command}: invalid setting usage_partitions: Expected `int` >= 1"
+    )
+
+
+@pytest.mark.parametrize("command", ["aggregate", "topics", "collect"])
+def test_a_password_in_the_environment_that_is_not_utf8_is_one_line_without_its_bytes(
+    paths: dict[str, str], tmp_path: Path, command: str
+) -> None:
+    """It reached aiokafka as it was: a traceback naming one of its bytes and its length in
+    the commands, and a forwarder stopped for good in the collector."""
+    where = {
+        "aggregate": [],
+        "topics": [],
+        "collect": ["--root", paths["root"], "--log", paths["log"], "--no-nvml",
+                    "--no-kubernetes"],
+    }[command]  # fmt: skip
+    proc = run(command, *where, *SASL[1:-1], cwd=tmp_path,
+               extra_env={"HAMI_USAGE_KAFKA_PASSWORD": "s3\udcffcret"})  # fmt: skip
+    assert_one_line(proc, f"hami-usage {command}: HAMI_USAGE_KAFKA_PASSWORD: not UTF-8 text")
+    assert "s3" not in proc.stderr and "ff" not in proc.stderr
+
+
+def test_an_empty_password_in_the_environment_beside_a_password_file_is_none(
+    tmp_path: Path,
+) -> None:
+    """README: an empty password is none. Beside a password file it was refused as 'not
+    both'; the file's password is the one used."""
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret-value\n")
+    for env in ("", " \n"):
+        security = KafkaSecurity(protocol="SASL_SSL", sasl_mechanism="PLAIN", username="u",
+                                 password=env, password_file=str(secret))  # fmt: skip
+        assert security.client_kwargs()["sasl_plain_password"] == "s3cret-value"
+
+
+@pytest.mark.parametrize("command", ["collect", "aggregate", "replay", "report"])
+def test_security_settings_are_checked_without_a_broker_too(
+    paths: dict[str, str], tmp_path: Path, command: str
+) -> None:
+    """Inconsistent settings exit 2 whether or not a broker is given; they were accepted,
+    unused, without `--kafka` (a config meant for Kafka run against the local log)."""
+    span = ["--from", "2024-01-01T00:00Z", "--to", "2024-01-02T00:00Z"]
+    out = str(tmp_path / "out.csv")
+    where = {
+        "collect": ["--root", paths["root"], "--log", paths["log"], "--no-nvml",
+                    "--no-kubernetes", "--max-scans", "1"],
+        "aggregate": ["--log", paths["log"], "--drain", "--csv", out],
+        "replay": ["--log", paths["log"], *span, "--csv", out],
+        "report": ["--csv", out, *span],
+    }[command]  # fmt: skip
+    if command == "report":
+        Path(out).touch()
+    proc = run(command, *where, "--kafka-username", "u", cwd=tmp_path)
+    assert_one_line(
+        proc, f"hami-usage {command}: kafka_username needs kafka_security_protocol SASL_SSL"
     )

@@ -194,6 +194,43 @@ def test_tls_files_that_go_bad_are_retried_until_fixed(tmp_path: Path) -> None:
     assert refused.get("certificate", 0) >= 1
 
 
+def test_a_password_file_gone_at_a_reconnect_is_an_authentication_failure_of_ours(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The password file removed while the forwarder retries (a Secret mid-rotation): counted
+    as `authentication`, not `certificate`, and logged as a file that cannot be loaded, not
+    as a refusal by a broker it never reached. (The address answers nothing.)"""
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret-value\n")
+    security = KafkaSecurity(
+        protocol="SASL_SSL", sasl_mechanism="PLAIN", username="u", password_file=str(secret)
+    )
+    secret.unlink()
+    spool = spool_of(tmp_path / "spool", [b"a"])
+
+    async def run() -> dict[str, int]:
+        fwd = KafkaForwarder(
+            ProducerSettings("127.0.0.1:9", security=security), spool, tmp_path / "spool"
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(fwd.run(stop))
+        await asyncio.sleep(1.0)  # tries after 0.2 and 0.4 s
+        stop.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return dict(fwd.stats.refused)
+
+    with caplog.at_level(logging.INFO, logger="collector.transport.kafka"):
+        refused = asyncio.run(run())
+    assert set(refused) == {"authentication"} and refused["authentication"] >= 2, refused
+    lines = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert lines == [
+        f"kafka credentials cannot be loaded, retrying: kafka_password_file {secret}: "
+        "No such file or directory"
+    ]
+
+
 def test_a_spool_that_cannot_be_read_for_a_while_is_waited_out(
     tmp_path: Path, kafka_bootstrap: str, kafka_topic: str, caplog: pytest.LogCaptureFixture
 ) -> None:

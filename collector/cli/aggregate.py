@@ -113,8 +113,9 @@ def _run(args: argparse.Namespace) -> int:
         billing_format=cfg.billing_format,
         start_from=_start_from(cfg.start_from),
     )
+    security = kafka_security(cfg, "aggregate")  # (checked even when no broker is given)
     if cfg.kafka:
-        settings.security = kafka_security(cfg, "aggregate")
+        settings.security = security
         settings.topics = topic_plan(args, "aggregate", cfg.topic, cfg.billing_topic).specs()
     if not cfg.kafka:
         _checkpoint_writable(Path(cfg.log))

@@ -209,6 +209,7 @@ def _run(args: argparse.Namespace) -> int:
             check.node_name("node", node)
         except ValueError as exc:
             raise check.SettingError(f"{exc} (from $NODE_NAME or the host name)") from None
+    security = kafka_security(cfg, "collect")  # (checked even when no broker is given)
     kafka = None
     if cfg.kafka:
         kafka = ProducerSettings(
@@ -216,7 +217,7 @@ def _run(args: argparse.Namespace) -> int:
             topic=cfg.topic,
             linger_ms=cfg.linger_ms,
             compression=cfg.compression,
-            security=kafka_security(cfg, "collect"),
+            security=security,
             expect=(topic_plan(args, "collect", cfg.topic, "").usage(),),
         )
     settings = CollectSettings(

@@ -110,11 +110,14 @@ def run_kafka(command: str, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run(coro)
 
 
-def reader(cfg: KafkaClientConfig, command: str, bootstrap: str) -> ConsumerSettings:
-    """How `replay` and `report` read a topic: no group, the command's security."""
+def reader(cfg: KafkaClientConfig, command: str, bootstrap: str | None) -> ConsumerSettings | None:
+    """How `replay` and `report` read a topic: no group, the command's security. None without
+    a broker, once the security settings are checked all the same (inconsistent ones exit 2
+    whether or not they are used)."""
     from ..transport.consumer import ConsumerSettings
 
-    return ConsumerSettings(bootstrap, f"hami-usage-{command}", kafka_security(cfg, command))
+    security = kafka_security(cfg, command)
+    return ConsumerSettings(bootstrap, f"hami-usage-{command}", security) if bootstrap else None
 
 
 def start_logging(level: int) -> None:

@@ -70,8 +70,8 @@ def _run(args: argparse.Namespace) -> int:
     check_outputs("replay", cfg)
     window = window_settings(cfg)
     start_logging(logging.WARNING)
-    if cfg.kafka:
-        source = reader(cfg, "replay", cfg.kafka)
+    source = reader(cfg, "replay", cfg.kafka)
+    if source is not None:
         written, stats = run_kafka(
             "replay", replay_kafka(source, cfg.topic, window, rng, cfg.csv, cfg.jsonl)
         )

@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
         csv=[Path(x) for x in args.csv or []],
         jsonl=[Path(x) for x in args.jsonl or []],
         parquet=Path(args.parquet) if args.parquet else None,
-        kafka=reader(cfg, "report", args.kafka) if args.kafka else None,
+        kafka=reader(cfg, "report", args.kafka),
         billing_topic=args.billing_topic,
     )
     start_logging(logging.WARNING)

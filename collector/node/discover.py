@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..layout.snapshot import shown_path
+from ..settings_check import utf8
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO named *.cache must not hang the open; O_NOCTTY: nor a tty become ours.
@@ -220,7 +221,7 @@ class Discovery:
         old = time.time_ns() - TIMESTAMP_WINDOW_NS
         for entry in entries:
             name = entry.name
-            if not name.isascii() and not _utf8(name):
+            if not name.isascii() and not utf8(name):
                 skipped.append(Skipped(shown_path(os.path.join(root, name)), NOT_UTF8))
                 continue
             path = paths.get(name)
@@ -354,7 +355,7 @@ class Discovery:
                         found.append(entry.name)
             for file_name in sorted(found):
                 file_path = os.path.join(path, file_name)
-                if not file_name.isascii() and not _utf8(file_name):
+                if not file_name.isascii() and not utf8(file_name):
                     d.skipped.append(Skipped(shown_path(file_path), NOT_UTF8))
                     continue
                 # An lstat, not the listing's d_type and d_ino: some filesystems give no type
@@ -547,12 +548,3 @@ def _fd_bound(wanted: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return wanted
     return max(0, min(wanted, soft - FD_RESERVE))
-
-
-def _utf8(name: str) -> bool:
-    """A name from the filesystem (undecodable bytes held as surrogates) that is UTF-8."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -278,14 +278,18 @@ class KafkaForwarder:
     def _log_retry(self, state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
         refusal = error.refusal if isinstance(error, KafkaRefused) else None
-        if isinstance(error, SecurityError):
-            refusal = Refusal("certificate", str(error))
+        if isinstance(error, SecurityError):  # (a file of ours, read again for each try)
+            refusal = Refusal(error.kind, str(error))
         elif refusal is None and error is not None:
             refusal = classify(error)
         first = state.attempt_number == 1
         if refusal is not None:
             self._count_refused(refusal)
-            if self._connect_lines.say(refusal.kind, first):
+            if not self._connect_lines.say(refusal.kind, first):
+                pass
+            elif isinstance(error, SecurityError):  # (no broker was asked)
+                log.error("kafka credentials cannot be loaded, retrying: %s", refusal)
+            else:
                 log.error("kafka refused the collector, retrying: %s", refusal)
         elif self._connect_lines.say("unreachable", first):
             log.warning("kafka unreachable, retrying: %r", error)

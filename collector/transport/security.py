@@ -38,7 +38,15 @@ __all__ = [
 
 
 class SecurityError(Exception):
-    """Settings that cannot make a secured connection; one line for stderr."""
+    """Settings that cannot make a secured connection; one line for stderr. `kind` is what a
+    running service counts it as when files it reads again at each connection break: the TLS
+    files (`certificate`) or the password file (`authentication`)."""
+
+    def __init__(
+        self, message: str, kind: Literal["certificate", "authentication"] = "certificate"
+    ):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,8 @@ class KafkaSecurity:
     password_file: str | None = None
 
     def __post_init__(self) -> None:
+        if self.password is not None and not check.utf8(self.password):  # its bytes: never shown
+            raise SecurityError("HAMI_USAGE_KAFKA_PASSWORD: not UTF-8 text")
         tls = self.protocol in ("SSL", "SASL_SSL")
         if not tls and (self.ca_file or self.cert_file or self.key_file):
             raise SecurityError(
@@ -67,7 +77,7 @@ class KafkaSecurity:
         if self.protocol == "SASL_SSL":
             if self.sasl_mechanism is None:
                 raise SecurityError("kafka_security_protocol SASL_SSL needs kafka_sasl_mechanism")
-            if self.password_file and self.password is not None:
+            if self.password_file and (self.password or "").strip():
                 raise SecurityError(
                     "set kafka_password_file or HAMI_USAGE_KAFKA_PASSWORD, not both"
                 )
@@ -139,12 +149,14 @@ def read_password(path: str | None, env_value: str | None) -> str | None:
         try:
             text = check.small_file(path).decode("utf-8")
         except OSError as exc:
-            raise SecurityError(f"kafka_password_file {path}: {exc.strerror}") from None
+            why = exc.strerror
         except check.SettingError as exc:
-            raise SecurityError(f"kafka_password_file {path}: {exc}") from None
+            why = str(exc)
         except UnicodeDecodeError:  # its bytes are the secret: never shown
-            raise SecurityError(f"kafka_password_file {path}: not UTF-8 text") from None
-        return text.removesuffix("\n")
+            why = "not UTF-8 text"
+        else:
+            return text.removesuffix("\n")
+        raise SecurityError(f"kafka_password_file {path}: {why}", "authentication")
     return env_value
 
 
