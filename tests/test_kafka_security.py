@@ -236,6 +236,16 @@ def test_an_untrusted_client_certificate(secure: SecureBroker) -> None:
     one_line_refusal(proc, "TLS handshake refused", "CERTIFICATE_UNKNOWN")
 
 
+def test_a_tls_client_at_a_sasl_listener_is_told_what_is_wrong(secure: SecureBroker) -> None:
+    """The SASL_SSL listener answers the version lookup of a client that did not authenticate
+    and closes at its next request: said as a broker that never answered, with aiokafka's
+    warnings unformatted around it. Now the line names the likely cause."""
+    proc = run("topics", "--kafka", secure.sasl_ssl, "--kafka-security-protocol", "SSL",
+               "--kafka-ca-file", str(secure.certs / "ca.pem"))  # fmt: skip
+    line = one_line_refusal(proc, f"no Kafka broker at {secure.sasl_ssl} after 10 s")
+    assert "closed the connection at a request (a listener that expects SASL_SSL?)" in line
+
+
 def test_a_missing_acl_stops_the_aggregator_with_one_line(
     secure: SecureBroker, names: dict[str, str], tmp_path: Path
 ) -> None:

@@ -125,8 +125,13 @@ class KafkaRefused(KafkaError):  # type: ignore[misc]
 async def probe(bootstrap: str, security: KafkaSecurity, timeout_ms: int = 5000) -> None:
     """Connect to a bootstrap server the way the clients do (TLS handshake, SASL) and raise
     KafkaRefused with the real reason when it refuses us. aiokafka's own clients report every
-    such failure as "Unable to bootstrap", with the reason only in a log line."""
+    such failure as "Unable to bootstrap", with the reason only in a log line.
+
+    One request is made after connecting: a listener that expects SASL answers the version
+    lookup of a client that did not authenticate and closes at its next request, which its
+    clients then report as a broker that never answered."""
     from aiokafka.conn import create_conn
+    from aiokafka.protocol.admin import ApiVersionRequest
 
     kwargs = security.client_kwargs()
     last: BaseException | None = None
@@ -149,7 +154,14 @@ async def probe(bootstrap: str, security: KafkaSecurity, timeout_ms: int = 5000)
                 raise KafkaRefused(server, refusal) from None
             last = exc
             continue
-        conn.close()
+        try:
+            await conn.send(ApiVersionRequest())
+        except KafkaError as exc:
+            hint = "" if security.protocol == "SASL_SSL" else " (a listener that expects SASL_SSL?)"
+            last = KafkaConnectionError(f"{server} closed the connection at a request{hint}: {exc}")
+            continue
+        finally:
+            conn.close()
         return
     raise KafkaConnectionError(f"no answer from {bootstrap}: {last!r}")
 
