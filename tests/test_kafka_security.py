@@ -357,6 +357,42 @@ def test_a_password_file_fixed_in_place_is_used_at_the_next_retry(
         proc.wait(30)
 
 
+def test_a_refusal_after_a_password_file_that_could_not_be_read_is_logged(
+    secure: SecureBroker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """Three episodes of one kind (`authentication`), each its own line: the broker refuses
+    the password, the file cannot be read (no broker asked), the broker refuses again. The
+    third was hidden behind the second's line for up to 5 minutes."""
+    password = tmp_path / "password"
+    password.write_text("wrong-password\n")
+    flags = sasl(secure, "collector")
+    flags[flags.index("--kafka-password-file") + 1] = str(password)
+    proc, err_path = collect(tmp_path, names, *flags)
+
+    def lines() -> list[str]:
+        text = err_path.read_text()
+        return re.findall(r"kafka (refused the collector|credentials cannot be loaded)", text)
+
+    def until(count: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(lines()) < count:
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.1)
+
+    try:
+        until(1)
+        password.unlink()
+        until(2)
+        password.write_text("wrong-password\n")
+        until(3)
+        assert lines() == [
+            "refused the collector", "credentials cannot be loaded", "refused the collector"
+        ]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_each_principal_has_only_its_own_rights(
     secure: SecureBroker, names: dict[str, str]
 ) -> None:

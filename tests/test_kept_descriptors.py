@@ -23,6 +23,7 @@ from collector.events import (
     UsageSample,
 )
 from collector.layout.declarations import V12
+from collector.node import discover
 from collector.node.discover import ListingLimits
 from collector.node.scan import Scanner
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice
@@ -283,3 +284,42 @@ def test_a_file_replaced_after_the_listing_is_not_read_as_the_listed_one(
 def replaced_later(events: list[Event]) -> list[int]:
     (new,) = [e for e in events if isinstance(e, ContainerAppeared)]
     return [d.limit_bytes for d in new.devices]
+
+
+def test_a_file_replaced_in_the_tick_of_its_listing_is_found_at_the_next_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With coarse timestamps (tmpfs; ext4 and XFS before Linux 6.13) a rename in the same
+    tick as the change before the listing leaves the folder's ctime as the listing saw it:
+    the name's new inode, found at open, must have the folder listed again, or the new file
+    is never read."""
+    monkeypatch.setattr(discover, "TIMESTAMP_WINDOW_NS", 0)
+    path, w = container(tmp_path, "main")
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    s.scan(now_ms=1000)
+    new = path.with_name("new.tmp")
+    w2 = write(new, 2 * GiB)
+    os.replace(new, path)
+    # The listing as if made in the same tick as the rename: its ctime is the folder's now.
+    s.discovery._dirs[path.parent.name].ctime_ns = path.parent.stat().st_ctime_ns
+    events = s.scan(now_ms=2000)
+    assert len([e for e in events if isinstance(e, ContainerGone)]) == 1
+    assert replaced_later(s.scan(now_ms=3000)) == [2 * GiB]
+    w.close()
+    w2.close()
+
+
+def test_a_folder_with_a_hard_linked_file_is_not_listed_at_every_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing was right (the file, with a second link): refused at each open, reported
+    once, and the folder listed no more than any other."""
+    monkeypatch.setattr(discover, "TIMESTAMP_WINDOW_NS", 0)
+    path, w = container(tmp_path, "main")
+    os.link(path, tmp_path / "elsewhere")
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    anomalies = [e for t in (1000, 2000, 3000, 4000) for e in s.scan(now_ms=t)
+                 if isinstance(e, LayoutAnomaly)]  # fmt: skip
+    assert [e.detail for e in anomalies] == ["a hard-linked file (2 links): not read"]
+    assert s.discovery.stats.listings == 1
+    w.close()

@@ -426,14 +426,11 @@ class Discovery:
                 return Skipped(os.path.dirname(f.path), SYMLINK)
             raise
         try:
-            opened = self._open_regular(name, dir_fd, f)
+            opened = self._open_regular(name, dir_fd, f, dir_name)
         finally:
             if not dir_kept:
                 os.close(dir_fd)
-        if not isinstance(opened, tuple):
-            listing = self._dirs.get(dir_name)
-            if listing is not None:
-                listing.ctime_ns = -1  # not what the listing found: list the folder again
+        if isinstance(opened, Skipped):
             return opened
         fd, st = opened
         h = self._held.get(dir_name)
@@ -444,24 +441,33 @@ class Discovery:
         return Opened(fd, st, False)
 
     def _open_regular(
-        self, name: str, dir_fd: int, f: CacheFile
+        self, name: str, dir_fd: int, f: CacheFile, dir_name: str
     ) -> tuple[int, os.stat_result] | Skipped:
         """The listed file `f`, by its `name` in the folder `dir_fd`, opened for reading if it
         still is that file and a regular one with one link. The name is looked up once, into
         an `O_PATH` descriptor (which opens nothing: no device acts on it, no FIFO blocks), and
-        what that descriptor is is what gets opened."""
-        path_fd = os.open(name, _PATH_FLAGS, dir_fd=dir_fd)
+        what that descriptor is is what gets opened. A name that is not what the listing found
+        has the folder listed again at the next scan: its ctime may not have moved (a change
+        in the same timestamp tick as the one before the listing)."""
+        try:
+            path_fd = os.open(name, _PATH_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            self._list_again(dir_name)
+            raise
         try:
             st = os.fstat(path_fd)
             if stat.S_ISLNK(st.st_mode):  # (O_PATH|O_NOFOLLOW gives the link itself)
+                self._list_again(dir_name)
                 return Skipped(f.path, SYMLINK)
             if not stat.S_ISREG(st.st_mode):
+                self._list_again(dir_name)
                 return Skipped(f.path, NOT_REGULAR)
             if st.st_ino != f.ino or st.st_dev != f.dev:
                 # Another file by the listed name: the listed one is gone, this one is new
                 # (a file is identified by its inode) and is read once the folder is listed.
+                self._list_again(dir_name)
                 raise FileNotFoundError(errno.ENOENT, "replaced since it was listed", f.path)
-            if st.st_nlink > 1:
+            if st.st_nlink > 1:  # (as listed: listing it again would find the same)
                 return _hard_linked(f.path, st.st_nlink)
             try:
                 fd = os.open(f"/proc/self/fd/{path_fd}", _FILE_FLAGS)
@@ -470,6 +476,11 @@ class Discovery:
             return fd, st
         finally:
             os.close(path_fd)
+
+    def _list_again(self, dir_name: str) -> None:
+        listing = self._dirs.get(dir_name)
+        if listing is not None:
+            listing.ctime_ns = -1
 
     def _dir_fd(self, name: str) -> tuple[int, bool]:
         """A container directory's descriptor: the kept one, or a new one kept when the bound

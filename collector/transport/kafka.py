@@ -297,9 +297,10 @@ class KafkaForwarder:
         first = state.attempt_number == 1
         if refusal is not None:
             self._count_refused(refusal)
-            if not self._connect_lines.say(refusal.kind, first):
+            ours = isinstance(error, SecurityError)  # (a file of ours: no broker was asked)
+            if not self._connect_lines.say(f"{'load' if ours else 'broker'} {refusal.kind}", first):
                 pass
-            elif isinstance(error, SecurityError):  # (no broker was asked)
+            elif ours:
                 log.error("kafka credentials cannot be loaded, retrying: %s", refusal)
             else:
                 log.error("kafka refused the collector, retrying: %s", refusal)
