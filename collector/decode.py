@@ -27,6 +27,8 @@ from .aggregate.billing import decode_billing
 from .events import UnknownSchemaVersion, decode
 
 _encoder = msgspec.json.Encoder(decimal_format="number")  # exact record decimals
+# The first byte of a msgpack map: fixmap, map 16, map 32.
+_MSGPACK_MAPS = frozenset(bytes([b]) for b in [*range(0x80, 0x90), 0xDE, 0xDF])
 
 
 def named(value: Any) -> Any:
@@ -48,6 +50,11 @@ def to_json(payload: bytes) -> bytes:
     """One raw message value as a JSON object (no newline); ValueError when it is neither."""
     if payload[:1] == b"{":
         return _encoder.encode(decode_billing(payload))
+    if payload[:1] in _MSGPACK_MAPS:  # (events are arrays: the billing record's error says why)
+        try:
+            return _encoder.encode(decode_billing(payload))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ValueError(f"not a billing record: {exc}") from None
     try:
         return _encoder.encode(named(decode(payload)))
     except UnknownSchemaVersion:

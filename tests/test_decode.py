@@ -134,3 +134,16 @@ def test_an_output_that_cannot_be_written_is_one_line() -> None:
                               stdout=full, capture_output=False, stderr=subprocess.PIPE,
                               timeout=60)  # fmt: skip
     assert (proc.returncode, proc.stderr) == (1, b"hami-usage decode: No space left on device\n")
+
+
+def test_a_msgpack_map_that_is_no_billing_record_says_why_as_one() -> None:
+    """A billing message from before records had a kind: the line gave the usage event's
+    error (an array was expected), not the record's missing field."""
+    fields = msgspec.structs.asdict(record())
+    del fields["kind"]
+    rc, objects, err = run(framed([msgspec.msgpack.encode(fields)]))
+    assert (rc, objects) == (1, [])
+    assert err == (
+        "hami-usage decode: message 1: not a billing record: Object missing required field "
+        "`kind`\nhami-usage decode: 0 decoded, 1 undecodable\n"
+    )
