@@ -890,3 +890,42 @@ def test_property_corruption_is_counted_never_raised(
             next_offset = log.next_offset
             assert log.append(b"k", b"v", 0) == next_offset
         assert LogReader(directory).read(next_offset) == [LogRecord(next_offset, 0, b"k", b"v")]
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "device", "consumers-a-file"])
+def test_a_checkpoint_that_is_no_file_is_one_reason_never_a_hang(tmp_path: Path, kind: str) -> None:
+    """The aggregator's checkpoint path holding a folder, a FIFO or a device (a symlink to
+    /dev/zero), or `consumers` a file: a traceback (folder, `consumers`), a wait for a writer
+    that never came (FIFO) or memory until it ran out (/dev/zero). Now CheckpointError (exit
+    4), and a writer opening the log leaves it to that consumer."""
+    with LocalLog(tmp_path) as log:
+        fill(log, 0, 10)
+    consumers = tmp_path / "consumers"
+    path = consumers / "hami-usage-aggregator.json"
+    if kind == "consumers-a-file":
+        consumers.write_bytes(b"")
+        reason = "Not a directory"
+    else:
+        consumers.mkdir()
+        {"folder": path.mkdir, "fifo": lambda: os.mkfifo(path),
+         "device": lambda: path.symlink_to("/dev/zero")}[kind]()  # fmt: skip
+        reason = "not a regular file"
+    result: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            open_checkpoint(LogReader(tmp_path), "hami-usage-aggregator", tmp_path)
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()  # no wait on the FIFO, no endless read
+    (exc,) = result
+    assert isinstance(exc, CheckpointError)
+    assert str(exc) == (
+        f"checkpoint of group hami-usage-aggregator unreadable: {path}: {reason}"
+    )
+    with LocalLog(tmp_path) as log:  # (it rewinds checkpoints past its end when it opens)
+        assert log.append(KEY, value(99), 5000) == 10

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Annotated
@@ -45,14 +47,31 @@ def checkpoint_path(directory: Path, group: str) -> Path:
 
 
 def load_checkpoint(path: Path) -> Checkpoint | None:
+    """The checkpoint, None when there is none; CorruptCheckpointError when the path holds
+    something else (a folder, a FIFO that would wait for a writer, a device that never ends)
+    or cannot be read."""
     try:
-        data = path.read_bytes()
+        data = _read_regular(path)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: {exc.strerror or exc}") from None
     try:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CorruptCheckpointError(f"{path}: {exc}") from exc
+
+
+def _read_regular(path: Path) -> bytes:
+    # O_NONBLOCK: opening a FIFO does not wait for a writer before fstat refuses it.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def store_checkpoint(path: Path, group: str, checkpoint: Checkpoint) -> None:

@@ -179,9 +179,14 @@ class LocalLog:
         Checkpoints are fsync'd and segments are not (unless `fsync`): after a power loss the
         log can end below a checkpoint, and the records appended from now on take offsets the
         consumer would skip. Its metadata is kept (the aggregator's says which windows it has
-        emitted, so none is emitted twice). An unreadable checkpoint is left to its consumer.
+        emitted, so none is emitted twice). An unreadable checkpoint (or folder of them) is left
+        to its consumer.
         """
-        for group, path in self._consumers():
+        try:
+            consumers = self._consumers()
+        except OSError:
+            return
+        for group, path in consumers:
             try:
                 checkpoint = load_checkpoint(path)
             except (CorruptCheckpointError, OSError):
