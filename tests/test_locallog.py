@@ -929,3 +929,39 @@ def test_a_checkpoint_that_is_no_file_is_one_reason_never_a_hang(tmp_path: Path,
     )
     with LocalLog(tmp_path) as log:  # (it rewinds checkpoints past its end when it opens)
         assert log.append(KEY, value(99), 5000) == 10
+
+
+def test_a_filesystem_that_refuses_fsync_loses_no_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--fsync` on a filesystem without it (some FUSE and network ones: EINVAL). Every write
+    succeeded, yet a refused fsync blocked the log like a full disk: the records of the next
+    0.1 s were dropped, and each flush blocked it again, for good. Now each refusal is counted,
+    the episode is logged once and its end once, and every record is kept."""
+    real_fsync = os.fsync
+    refuse = True
+
+    def fsync(fd: int) -> None:
+        if refuse:
+            raise OSError(22, "Invalid argument")
+        real_fsync(fd)
+
+    writer_log = "collector.transport.locallog.writer"
+    with caplog.at_level(logging.WARNING, logger=writer_log), LocalLog(
+        tmp_path, segment_bytes=20 * FRAME, fsync=True
+    ) as log:
+        monkeypatch.setattr(os, "fsync", fsync)
+        for i in range(50):  # (rolls a segment every 20)
+            assert log.append(KEY, value(i), 1000 + i) == i
+            log.flush()
+        assert (log.blocked, log.stats.rejected_records) == (None, 0)
+        assert log.stats.write_errors == 52  # each flush and each roll
+        refuse = False
+        fill(log, 50, 51)
+        log.flush()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"local log {tmp_path}: fsync refused (Invalid argument): records are written but not "
+        "durable across a power loss; tried again at each flush",
+        f"local log {tmp_path}: fsync works again",
+    ]
+    assert list(LogReader(tmp_path).read(0, 100)) == [record(i) for i in range(51)]

@@ -109,6 +109,7 @@ class LocalLog:
         self.stats = WriterStats()
         self._pending = bytearray()
         self._unsynced = False
+        self._sync_failing = False  # fsync refused since the last flush that it took
         self._closed = False
         self._io_error: OSError | None = None  # the last failed write, until one succeeds
         self._blocked: str | None = None  # why appends are rejected, during an episode
@@ -233,7 +234,7 @@ class LocalLog:
             fd = self._active_fd()
             os.ftruncate(fd, end.pos)
             if self._fsync:
-                os.fsync(fd)
+                self._sync()
             self.stats.torn_tail_bytes += size - end.pos
             self._sizes[-1] = end.pos
         self._next_offset = end.offset
@@ -328,14 +329,35 @@ class LocalLog:
         self._check_open()
         try:
             self._write_pending()
-            if self._fsync and self._unsynced:
-                os.fsync(self._active_fd())
-                self._unsynced = False
         except OSError as exc:
             self._failed(exc)
             self._block(_describe(exc))
-        else:
-            self._io_error = None
+            return
+        self._io_error = None
+        if self._fsync and self._unsynced:
+            self._sync()
+
+    def _sync(self) -> None:
+        """fsync the active segment. A refusal (a filesystem without fsync: some FUSE and
+        network ones) is counted and logged once an episode, and the records stay accepted:
+        they are written, only not durable, and nothing is held back to retry."""
+        try:
+            os.fsync(self._active_fd())
+        except OSError as exc:
+            self.stats.write_errors += 1
+            if not self._sync_failing:
+                log.error(
+                    "local log %s: fsync refused (%s): records are written but not durable "
+                    "across a power loss; tried again at each flush",
+                    self._dir,
+                    _describe(exc),
+                )
+            self._sync_failing = True
+            return
+        self._unsynced = False
+        if self._sync_failing:
+            log.warning("local log %s: fsync works again", self._dir)
+        self._sync_failing = False
 
     def close(self) -> None:
         """Write what is buffered; what the disk still refuses is lost, and counted in
@@ -499,8 +521,7 @@ class LocalLog:
     def _roll(self) -> None:
         self._write_pending()
         if self._fsync and self._unsynced:
-            os.fsync(self._active_fd())
-            self._unsynced = False
+            self._sync()
         fd = self._create_segment(self._next_offset)
         os.close(self._active_fd())
         self._fd = fd
