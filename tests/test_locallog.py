@@ -965,3 +965,36 @@ def test_a_filesystem_that_refuses_fsync_loses_no_record(
         f"local log {tmp_path}: fsync works again",
     ]
     assert list(LogReader(tmp_path).read(0, 100)) == [record(i) for i in range(51)]
+
+
+def test_a_second_aggregator_of_the_same_group_is_refused(tmp_path: Path) -> None:
+    """Two aggregators on one log directory and group each billed the whole log (1236 records
+    twice) and overwrote each other's checkpoint. The second now gets one line and exit 1;
+    once the first has stopped, it runs."""
+    hami_usage = Path(sys.executable).parent / "hami-usage"
+    with LocalLog(tmp_path / "log") as log:
+        fill(log, 0, 3)
+    first = subprocess.Popen(
+        [hami_usage, "aggregate", "--log", tmp_path / "log", "--csv", tmp_path / "a.csv"],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        lock = tmp_path / "log" / "consumers" / "hami-usage-aggregator.lock"
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "log" / "consumers" / "hami-usage-aggregator.json").exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert lock.exists()
+        second = [hami_usage, "aggregate", "--log", tmp_path / "log", "--drain",
+                  "--csv", tmp_path / "b.csv"]  # fmt: skip
+        proc = subprocess.run(second, capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stderr) == (
+            1,
+            f"hami-usage aggregate: group hami-usage-aggregator of {tmp_path / 'log'} is in use "
+            "by another aggregator\n",
+        )
+        assert not (tmp_path / "b.csv").exists()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(30)
+    assert subprocess.run(second, capture_output=True, timeout=60).returncode == 0

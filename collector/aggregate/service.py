@@ -17,6 +17,7 @@ the committed lengths, so a crash between the two leaves no duplicate lines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Iterable, Mapping
@@ -33,7 +34,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from ..transport.locallog import CorruptCheckpointError, LogReader, ReaderStats
+from ..transport.locallog import CorruptCheckpointError, LogReader, ReaderStats, group_lock
 from ..transport.locallog.checkpoint import checkpoint_path
 from ..transport.security import KafkaSecurity
 from .billing import Format, billing_message
@@ -455,6 +456,17 @@ async def settled_tail(reader: LogReader) -> int:
 
 
 async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Outputs:
+    """Read the local log as `settings.group`, alone: GroupInUseError when another process
+    does (each would bill the whole log)."""
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(group_lock(settings.log_dir, settings.group))
+        except CorruptCheckpointError as exc:
+            raise CheckpointError(f"checkpoint of group {settings.group}: {exc}") from None
+        return await _run_local(settings, stopping)
+
+
+async def _run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Outputs:
     reader = LogReader(settings.log_dir)
     committed = open_checkpoint(reader, settings.group, settings.log_dir)
     position, meta = committed if committed else (0, "")

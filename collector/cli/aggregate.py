@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..aggregate.damage import EXIT_CHECKPOINT, CheckpointError
 from ..config import AggregateConfig
-from ..transport.locallog.checkpoint import CONSUMERS_DIR
+from ..transport.locallog.checkpoint import CONSUMERS_DIR, GroupInUseError
 from .args import Command, UsageError, iso_ms, switch
 from .kafka import kafka_flags, kafka_security, run_kafka, start_logging
 from .replay import REPLAY_FLAGS
@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_CHECKPOINT
     except ListenError as exc:
         raise UsageError(f"hami-usage aggregate: --health-port {exc}") from None
-    except OutputError as exc:
+    except (OutputError, GroupInUseError) as exc:
         print(f"hami-usage aggregate: {exc}", file=sys.stderr)
         return 1
     if cfg.drain and not settings.drained:

@@ -10,13 +10,14 @@ Layout of a log directory::
     00000000000000004096.log
     writer.lock                flock'd by the single writer process
     consumers/<group>.json     consumer checkpoints (next offset to read + metadata)
+    consumers/<group>.lock     flock'd by the one process reading as that group
 
 `frames` declares the frame of one record and how a damaged one is passed over; `writer` is
 the single writer (`LocalLog`); `reader` reads without a lock (`LogReader`); `checkpoint`
 keeps the consumer checkpoints.
 """
 
-from .checkpoint import CorruptCheckpointError
+from .checkpoint import CorruptCheckpointError, GroupInUseError, group_lock
 from .frames import FRAME_OVERHEAD
 from .reader import LogReader, LogRecord, ReaderStats
 from .writer import LocalLog, LogLockedError, LogOpenError, WriterStats
@@ -24,6 +25,7 @@ from .writer import LocalLog, LogLockedError, LogOpenError, WriterStats
 __all__ = [
     "FRAME_OVERHEAD",
     "CorruptCheckpointError",
+    "GroupInUseError",
     "LocalLog",
     "LogLockedError",
     "LogOpenError",
@@ -31,4 +33,5 @@ __all__ = [
     "LogRecord",
     "ReaderStats",
     "WriterStats",
+    "group_lock",
 ]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +23,33 @@ GROUP_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 
 class CorruptCheckpointError(ValueError):
     """A consumer checkpoint file exists but cannot be decoded."""
+
+
+class GroupInUseError(Exception):
+    """Another process reads the log as this consumer group; the message is one line."""
+
+
+@contextlib.contextmanager
+def group_lock(directory: Path, group: str) -> Iterator[None]:
+    """Held while a process reads the log as `group` and commits its checkpoint: two of them
+    would each bill the whole log and overwrite each other's checkpoint.
+    CorruptCheckpointError when the lock file cannot be made (the checkpoint could not be)."""
+    path = checkpoint_path(directory, group).with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: {exc.strerror or exc}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise GroupInUseError(
+                f"group {group} of {directory} is in use by another aggregator"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 class Checkpoint(msgspec.Struct, frozen=True):
