@@ -682,3 +682,17 @@ def test_security_settings_are_checked_without_a_broker_too(
     assert_one_line(
         proc, f"hami-usage {command}: kafka_username needs kafka_security_protocol SASL_SSL"
     )
+
+
+def test_a_group_too_long_for_a_local_checkpoint_is_one_line(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    """Groups of 201-249 characters pass the settings' check (Kafka's limit) but name no
+    checkpoint file: with a local log that was a 38-line traceback."""
+    proc = run("aggregate", "--log", paths["log"], "--group", "g" * 201, "--drain",
+               "--jsonl", str(tmp_path / "o.jsonl"), cwd=tmp_path)  # fmt: skip
+    assert_one_line(
+        proc,
+        "hami-usage aggregate: --group: with a local log, at most 200 of A-Z a-z 0-9 . _ - "
+        "(not . or - first)",
+    )

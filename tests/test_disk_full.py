@@ -429,7 +429,8 @@ def test_a_checkpoint_the_disk_refuses_is_one_line_and_exit_1(tmp_path: Path) ->
         again = aggregate(cmd, disk.preexec(limit=0))
         disk.free()
         assert checkpoint.read_bytes() == committed
-        assert list(checkpoint.parent.iterdir()) == [checkpoint]  # (no temporary file left)
+        # (no temporary file left; the group's lock beside it)
+        assert sorted(checkpoint.parent.iterdir()) == [checkpoint, checkpoint.with_suffix(".lock")]
         last = aggregate(cmd)
     line = f"hami-usage aggregate: cannot write {checkpoint}: {disk.strerror}\n"
     for proc in (first, again):

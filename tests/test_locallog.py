@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -998,3 +1000,64 @@ def test_a_second_aggregator_of_the_same_group_is_refused(tmp_path: Path) -> Non
         first.send_signal(signal.SIGTERM)
         first.wait(30)
     assert subprocess.run(second, capture_output=True, timeout=60).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "errno_, kind", [(28, "cannot write"), (20, "checkpoint unreadable")], ids=["full", "not-dir"]
+)
+def test_a_group_lock_that_cannot_be_made_says_why_as_its_checkpoint_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_: int, kind: str
+) -> None:
+    """A full disk is a checkpoint that cannot be written (exit 1), as before the lock; a
+    path that is not a folder of ours is an unreadable one (exit 4)."""
+    from streams import WINDOW
+
+    from collector.aggregate.service import AggregateSettings, OutputError, run_local
+
+    with LocalLog(tmp_path / "log") as log:
+        fill(log, 0, 3)
+    real_open = os.open
+
+    def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(".lock"):
+            raise OSError(errno_, os.strerror(errno_))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    settings = AggregateSettings(window=WINDOW, kafka=None, topic="t", billing_topic="b",
+                                 group="g", log_dir=tmp_path / "log", drain=True)  # fmt: skip
+    lock = tmp_path / "log" / "consumers" / "g.lock"
+    with pytest.raises((OutputError, CheckpointError)) as raised:
+        asyncio.run(run_local(settings, asyncio.Event()))
+    if kind == "cannot write":
+        assert type(raised.value) is OutputError
+        assert str(raised.value) == f"cannot write {lock}: No space left on device"
+    else:
+        assert type(raised.value) is CheckpointError
+        assert str(raised.value) == f"checkpoint of group g unreadable: {lock}: Not a directory"
+
+
+def test_an_fsync_that_fails_with_an_io_error_blocks_the_log_as_a_failed_write_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO from fsync means what was written may be lost: an episode (the log blocked, its
+    records held), not the refusal of a filesystem without fsync."""
+    real_fsync = os.fsync
+    failing = True
+
+    def fsync(fd: int) -> None:
+        if failing:
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    with LocalLog(tmp_path, fsync=True) as log:
+        monkeypatch.setattr(os, "fsync", fsync)
+        fill(log, 0, 3)
+        log.flush()
+        assert log.blocked == "Input/output error"
+        assert log.stats.blocked_episodes == 1
+        failing = False
+        log.flush()
+        fill(log, 3, 4)  # (an append after a flush that went through ends the episode)
+        assert log.blocked is None
+    assert list(LogReader(tmp_path).read(0, 10)) == [record(i) for i in range(4)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Coroutine, Iterable, Mapping
@@ -461,8 +462,13 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(group_lock(settings.log_dir, settings.group))
-        except CorruptCheckpointError as exc:
-            raise CheckpointError(f"checkpoint of group {settings.group}: {exc}") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.ELOOP):  # not a folder of ours
+                raise CheckpointError(
+                    f"checkpoint of group {settings.group} unreadable: {exc.filename}: "
+                    f"{exc.strerror}"
+                ) from None
+            raise cannot_write(exc.filename, exc) from None  # (a full disk, no permission)
         return await _run_local(settings, stopping)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..aggregate.damage import EXIT_CHECKPOINT, CheckpointError
 from ..config import AggregateConfig
-from ..transport.locallog.checkpoint import CONSUMERS_DIR, GroupInUseError
+from ..transport.locallog.checkpoint import CONSUMERS_DIR, GROUP_NAME, GroupInUseError
 from .args import Command, UsageError, iso_ms, switch
 from .kafka import kafka_flags, kafka_security, run_kafka, start_logging
 from .replay import REPLAY_FLAGS
@@ -119,6 +119,11 @@ def _run(args: argparse.Namespace) -> int:
         settings.topics = topic_plan(args, "aggregate", cfg.topic, cfg.billing_topic).specs()
     if not cfg.kafka:
         _checkpoint_writable(Path(cfg.log))
+        if not GROUP_NAME.match(cfg.group):  # (the name of its checkpoint file, and of a temp one)
+            raise UsageError(
+                "hami-usage aggregate: --group: with a local log, at most 200 of A-Z a-z 0-9 "
+                ". _ - (not . or - first)"
+            )
     start_logging(logging.INFO)
     try:
         run_kafka("aggregate", aggregate(settings))

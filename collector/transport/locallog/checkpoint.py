@@ -22,7 +22,11 @@ GROUP_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 
 
 class CorruptCheckpointError(ValueError):
-    """A consumer checkpoint file exists but cannot be decoded."""
+    """A consumer checkpoint file exists but cannot be decoded, or read (`unreadable`: why)."""
+
+    def __init__(self, message: str, unreadable: str | None = None) -> None:
+        super().__init__(message)
+        self.unreadable = unreadable
 
 
 class GroupInUseError(Exception):
@@ -32,14 +36,14 @@ class GroupInUseError(Exception):
 @contextlib.contextmanager
 def group_lock(directory: Path, group: str) -> Iterator[None]:
     """Held while a process reads the log as `group` and commits its checkpoint: two of them
-    would each bill the whole log and overwrite each other's checkpoint.
-    CorruptCheckpointError when the lock file cannot be made (the checkpoint could not be)."""
+    would each bill the whole log and overwrite each other's checkpoint. OSError (with the
+    lock file's name) when it cannot be made."""
     path = checkpoint_path(directory, group).with_suffix(".lock")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
-        raise CorruptCheckpointError(f"{path}: {exc.strerror or exc}") from None
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -84,7 +88,8 @@ def load_checkpoint(path: Path) -> Checkpoint | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise CorruptCheckpointError(f"{path}: {exc.strerror or exc}") from None
+        why = exc.strerror or str(exc)
+        raise CorruptCheckpointError(f"{path}: {why}", why) from None
     try:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

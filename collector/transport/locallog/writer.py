@@ -13,6 +13,7 @@ had written are never touched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -44,6 +45,8 @@ from .frames import (
 )
 
 log = logging.getLogger(__name__)
+# What a filesystem without fsync answers; the records are on it all the same.
+_FSYNC_REFUSED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
 
 _MIB = 1024 * 1024
 _MAX_KEY = 0xFFFF
@@ -335,15 +338,23 @@ class LocalLog:
             return
         self._io_error = None
         if self._fsync and self._unsynced:
-            self._sync()
+            try:
+                self._sync()
+            except OSError as exc:
+                self._failed(exc)
+                self._block(_describe(exc))
 
     def _sync(self) -> None:
         """fsync the active segment. A refusal (a filesystem without fsync: some FUSE and
         network ones) is counted and logged once an episode, and the records stay accepted:
-        they are written, only not durable, and nothing is held back to retry."""
+        they are written, only not durable, and nothing is held back to retry. Any other
+        error (EIO, ENOSPC at writeback: what was written may be lost) raises, as a failed
+        write does."""
         try:
             os.fsync(self._active_fd())
         except OSError as exc:
+            if exc.errno not in _FSYNC_REFUSED:
+                raise
             self.stats.write_errors += 1
             if not self._sync_failing:
                 log.error(
@@ -432,7 +443,8 @@ class LocalLog:
         self._unread = None
         try:
             checkpoints = [load_checkpoint(path) for _, path in self._consumers()]
-        except CorruptCheckpointError:
+        except CorruptCheckpointError as exc:
+            self._unread = exc.unreadable  # (None for one that reads but does not decode)
             return self.first_offset
         except OSError as exc:
             self._unread = _describe(exc)
