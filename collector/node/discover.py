@@ -53,9 +53,9 @@ from ..layout.snapshot import shown_path
 from ..settings_check import utf8
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NONBLOCK: a FIFO named *.cache must not hang the open; O_NOCTTY: nor a tty become ours.
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-# (no O_NOFOLLOW: a file is opened through its /proc/self/fd link, which it would refuse)
+# Only a regular file is opened (see `_open_regular`); O_NONBLOCK and O_NOCTTY stay as a second
+# guard. No O_NOFOLLOW: the file is opened through its /proc/self/fd link, which it would refuse.
 _FILE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 SYMLINK = "a symlink: never followed below the root"
 NOT_REGULAR = "not a regular file"
