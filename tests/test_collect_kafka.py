@@ -234,11 +234,12 @@ def test_broker_outage_spools_and_drains_exactly_once(
             wait_until(lambda: spool_is_drained(spool), 90, "the spool to drain")
 
         assert collector.stop(signal.SIGTERM) == 0, collector.stderr()
-        # One line for the whole outage, however many connections failed, and one when over.
+        # At most one line for the whole outage, however many connections failed, and one
+        # when it is over. (The producer may also wait the outage out inside its own retries,
+        # its connection never dropped: then neither line.)
         text = collector.stderr()
-        assert text.count("kafka unreachable, retrying") == 1, text
-        (tries,) = re.findall(r"kafka takes the collector's connection again after (\d+) f", text)
-        assert int(tries) >= 2, text
+        again = re.findall(r"kafka takes the collector's connection again after (\d+) f", text)
+        assert text.count("kafka unreachable, retrying") == len(again) <= 1, text
     finally:
         sim.close()
         if collector is not None and collector.running():
