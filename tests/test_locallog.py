@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import resource
@@ -933,6 +934,20 @@ def test_a_checkpoint_that_is_no_file_is_one_reason_never_a_hang(tmp_path: Path,
         assert log.append(KEY, value(99), 5000) == 10
 
 
+class FailingFsync:
+    """`os.fsync` failing with `code` while `failing`, then the real one."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+        self.failing = True
+        self._real = os.fsync
+
+    def __call__(self, fd: int) -> None:
+        if self.failing:
+            raise OSError(self.code, os.strerror(self.code))
+        self._real(fd)
+
+
 def test_a_filesystem_that_refuses_fsync_loses_no_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -940,14 +955,7 @@ def test_a_filesystem_that_refuses_fsync_loses_no_record(
     succeeded, yet a refused fsync blocked the log like a full disk: the records of the next
     0.1 s were dropped, and each flush blocked it again, for good. Now each refusal is counted,
     the episode is logged once and its end once, and every record is kept."""
-    real_fsync = os.fsync
-    refuse = True
-
-    def fsync(fd: int) -> None:
-        if refuse:
-            raise OSError(22, "Invalid argument")
-        real_fsync(fd)
-
+    fsync = FailingFsync(errno.EINVAL)
     writer_log = "collector.transport.locallog.writer"
     with caplog.at_level(logging.WARNING, logger=writer_log), LocalLog(
         tmp_path, segment_bytes=20 * FRAME, fsync=True
@@ -958,7 +966,7 @@ def test_a_filesystem_that_refuses_fsync_loses_no_record(
             log.flush()
         assert (log.blocked, log.stats.rejected_records) == (None, 0)
         assert log.stats.write_errors == 52  # each flush and each roll
-        refuse = False
+        fsync.failing = False
         fill(log, 50, 51)
         log.flush()
     assert [r.getMessage() for r in caplog.records] == [
@@ -1042,21 +1050,14 @@ def test_an_fsync_that_fails_with_an_io_error_blocks_the_log_as_a_failed_write_d
 ) -> None:
     """EIO from fsync means what was written may be lost: an episode (the log blocked, its
     records held), not the refusal of a filesystem without fsync."""
-    real_fsync = os.fsync
-    failing = True
-
-    def fsync(fd: int) -> None:
-        if failing:
-            raise OSError(5, "Input/output error")
-        real_fsync(fd)
-
+    fsync = FailingFsync(errno.EIO)
     with LocalLog(tmp_path, fsync=True) as log:
         monkeypatch.setattr(os, "fsync", fsync)
         fill(log, 0, 3)
         log.flush()
         assert log.blocked == "Input/output error"
         assert log.stats.blocked_episodes == 1
-        failing = False
+        fsync.failing = False
         log.flush()
         fill(log, 3, 4)  # (an append after a flush that went through ends the episode)
         assert log.blocked is None

@@ -298,12 +298,9 @@ class KafkaForwarder:
         if refusal is not None:
             self._count_refused(refusal)
             ours = isinstance(error, SecurityError)  # (a file of ours: no broker was asked)
-            if not self._connect_lines.say(f"{'load' if ours else 'broker'} {refusal.kind}", first):
-                pass
-            elif ours:
-                log.error("kafka credentials cannot be loaded, retrying: %s", refusal)
-            else:
-                log.error("kafka refused the collector, retrying: %s", refusal)
+            what = "credentials cannot be loaded" if ours else "refused the collector"
+            if self._connect_lines.say(f"{what} {refusal.kind}", first):
+                log.error("kafka %s, retrying: %s", what, refusal)
         elif self._connect_lines.say("unreachable", first):
             log.warning("kafka unreachable, retrying: %r", error)
 
