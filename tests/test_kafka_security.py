@@ -221,6 +221,20 @@ def test_each_sasl_mechanism_and_a_wrong_password(
     assert "not-the-password" not in line
 
 
+def test_a_password_file_with_a_windows_line_end_authenticates(
+    secure: SecureBroker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """A password file saved with CRLF kept its CR, and the broker refused the password."""
+    crlf = tmp_path / "crlf"
+    crlf.write_bytes(secure.password_file("aggregator").read_text().encode() + b"\r\n")
+    flags = sasl(secure, "aggregator")
+    flags[flags.index("--kafka-password-file") + 1] = str(crlf)
+    span = ["--from", "2026-01-01T00:00:00", "--to", "2026-01-01T00:01:00"]
+    out = ["--jsonl", str(tmp_path / "r.jsonl")]
+    proc = run("replay", "--topic", names["usage"], *span, *out, *flags)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_an_untrusted_broker_certificate(secure: SecureBroker, tmp_path: Path) -> None:
     flags = sasl(secure, "aggregator")
     flags[flags.index("--kafka-ca-file") + 1] = str(secure.certs / "rogue-ca.pem")

@@ -144,7 +144,8 @@ def _no_passphrase() -> str:
 
 
 def read_password(path: str | None, env_value: str | None) -> str | None:
-    """The password from its file (one trailing newline dropped) or, failing that, the env."""
+    """The password from its file (one trailing line end, LF or CRLF, dropped) or, failing
+    that, the env. A file saved on Windows ends in CRLF; a password ending in CR is no one's."""
     if path:
         try:
             text = check.small_file(path).decode("utf-8")
@@ -155,7 +156,7 @@ def read_password(path: str | None, env_value: str | None) -> str | None:
         except UnicodeDecodeError:  # its bytes are the secret: never shown
             why = "not UTF-8 text"
         else:
-            return text.removesuffix("\n")
+            return text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
         raise SecurityError(f"kafka_password_file {path}: {why}", "authentication")
     return env_value
 
