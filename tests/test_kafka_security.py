@@ -24,7 +24,9 @@ from typing import Any
 import jsonschema
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
+from aiokafka.protocol.admin import CreateAclsRequest
 from broker import SecureBroker, secure_broker
 from streams import consume_plain
 
@@ -268,6 +270,39 @@ def test_a_missing_acl_stops_the_aggregator_with_one_line(
         "--group", names["group"], "--drain", *sasl(secure, "nobody"), timeout=90,
     )  # fmt: skip
     one_line_refusal(proc, "not authorized", "an ACL is missing")
+
+
+async def deny_write(b: SecureBroker, user: str, topic: str) -> None:
+    """A DENY ACL for `user`'s Write on exactly `topic` (wire codes: TOPIC 2, LITERAL 3,
+    WRITE 4, DENY 2), sent to the super-user listener: the ALLOW ACLs are prefixed, so
+    this takes the right from this test's topic alone."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=b.internal, request_timeout_ms=10_000)
+    await admin.start()
+    try:
+        request = CreateAclsRequest(2, topic, 3, f"User:{user}", "*", 4, 2)
+        response = await admin._send_request(request)  # noqa: SLF001
+        assert [r[0] for r in response.creation_responses] == [0]
+    finally:
+        await admin.close()
+
+
+def test_an_aggregator_denied_write_on_billing_stops_with_one_line(
+    secure: SecureBroker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """Denied Write on the billing topic (an ACL taken away), the transaction fails and so
+    does each record sent in it: asyncio logged each as 'Future exception was never
+    retrieved', with a traceback, around the refusal's line."""
+    asyncio.run(deny_write(secure, "aggregator", names["billing"]))
+    with pytest.raises(AssertionError, match="an ACL is missing"):
+        pipeline(tmp_path, sasl(secure, "collector"), sasl(secure, "aggregator"), names)
+    agg = run(
+        "aggregate", "--topic", names["usage"], "--billing-topic", names["billing"],
+        "--group", names["group"], "--window", "1", "--lateness", "0", "--drain",
+        *sasl(secure, "aggregator"), timeout=90,
+    )  # fmt: skip
+    line = one_line_refusal(agg, "not authorized", names["billing"], "an ACL is missing")
+    assert "never retrieved" not in agg.stderr
+    assert line.startswith("hami-usage aggregate: Kafka refused: not authorized: ")
 
 
 def collect(tmp_path: Path, names: dict[str, str], *flags: str) -> tuple[Any, Path]:

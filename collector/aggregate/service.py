@@ -565,7 +565,12 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
 
     from ..transport.consumer import ConsumerSettings, make_consumer
     from ..transport.fenced_offsets import commit_offsets_as_member
-    from ..transport.kafka import wait_for_broker
+    from ..transport.kafka import (
+        delivery_error,
+        retrieve_error,
+        take_transaction_error,
+        wait_for_broker,
+    )
 
     assert settings.kafka is not None
     aggs: dict[TopicPartition, Aggregator] = {}
@@ -697,14 +702,25 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 needed = agg.needed_offsets().get(tp.partition, positions[tp])
                 offsets[tp] = OffsetAndMetadata(needed, meta)
             await producer.begin_transaction()
+            sent = []
             try:
                 for r in records:
                     key, value, headers = billing_message(r, settings.billing_format)
-                    await producer.send(settings.billing_topic, value, key=key, headers=headers)
+                    sent.append(
+                        await producer.send(settings.billing_topic, value, key=key, headers=headers)
+                    )
                 await producer.send_offsets_to_transaction(offsets, settings.group)
                 await producer.commit_transaction()
-            except BaseException:
+            except BaseException as exc:
+                # The records fail with the transaction, which says why (e.g. no Write ACL).
+                for fut in sent:
+                    fut.add_done_callback(retrieve_error)
+                take_transaction_error(producer)
                 await producer.abort_transaction()
+                if isinstance(exc, AssertionError):
+                    # aiokafka asserts when a record joins a transaction that has already
+                    # failed (a partition refused to it): the records before say why.
+                    raise delivery_error(sent) or exc from None
                 raise
 
     outputs: Outputs | None = None

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -236,9 +237,28 @@ class Repeats:
         return say
 
 
-def _retrieve(fut: asyncio.Future[Any]) -> None:
+def retrieve_error(fut: asyncio.Future[Any]) -> None:
+    """A done callback for a delivery future whose error is reported another way: taken, so
+    asyncio does not log it as never retrieved, with a traceback, once per record."""
     if not fut.cancelled():
         fut.exception()
+
+
+def delivery_error(futures: Iterable[asyncio.Future[Any]]) -> BaseException | None:
+    """The first error among deliveries that ended, if any."""
+    for fut in futures:
+        if fut.done() and not fut.cancelled() and fut.exception() is not None:
+            return fut.exception()
+    return None
+
+
+def take_transaction_error(producer: AIOKafkaProducer) -> None:
+    """Call before `abort_transaction`: aiokafka keeps a failed transaction's error in a
+    future that the abort replaces without reading it, and asyncio then logs it with a
+    traceback. The error itself reaches the caller through the call that failed."""
+    waiter = getattr(getattr(producer, "_txn_manager", None), "_transaction_waiter", None)
+    if isinstance(waiter, asyncio.Future):
+        waiter.add_done_callback(retrieve_error)
 
 
 class KafkaForwarder:
@@ -407,11 +427,10 @@ class KafkaForwarder:
                     log.error("kafka refused the collector, retrying: %s", refusal)
             elif self._batch_lines.say(type(exc).__name__, self.failed_batches == 1):
                 log.warning("kafka send failed after %d records: %s", acked - self._offset, exc)
-            # The rest of the batch fails too; take their errors so asyncio does not log
-            # "exception was never retrieved" once per record.
+            # (the rest of the batch fails too, with this error)
             for fut in futures:
                 if fut is not None:
-                    fut.add_done_callback(_retrieve)
+                    fut.add_done_callback(retrieve_error)
             await self._drop_producer()
         done = acked - self._offset
         if self.failed_batches == failures and failures:  # (a whole batch sent)
