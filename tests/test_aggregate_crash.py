@@ -183,6 +183,41 @@ def test_sigkill_anywhere_gives_the_uninterrupted_records(
     print(f"kills (s after assignment, CSV bytes): {kills}; {elapsed:.1f} s in all")
 
 
+@pytest.mark.kafka
+def test_a_replica_fenced_by_a_second_of_its_instance_stops_with_one_line(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """Two replicas with one `--instance` (a copied StatefulSet): the second's producer
+    fences the first's, whose transaction then fails with ProducerFenced. aiokafka cannot
+    abort a fenced transaction and asserted on it; the assertion's 50-line traceback hid the
+    reason. The same happens to a replica stopped past its transaction timeout."""
+    seconds = list(Stream(tmp_path / "nodes", recent_t0(SPEC.seconds), SPEC, NODES).seconds())
+    asyncio.run(create_topic(kafka_bootstrap, kafka_topic, 3))
+    args = [
+        "aggregate", "--kafka", kafka_bootstrap, "--topic", kafka_topic,
+        "--billing-topic", f"{kafka_topic}.billing", "--group", f"{kafka_topic}.g",
+        "--instance", "0", *WINDOW_FLAGS,
+    ]  # fmt: skip
+    producer = produce_progressively(kafka_bootstrap, kafka_topic, seconds)
+    first = Service([*args, "--csv", str(tmp_path / "a.csv")], tmp_path / "a.err")
+    second = None
+    try:
+        first.wait_assigned()
+        time.sleep(3)
+        second = Service([*args, "--csv", str(tmp_path / "b.csv")], tmp_path / "b.err")
+        first.proc.wait(PRODUCE_S + 30)
+    finally:
+        for svc in (first, second):
+            if svc is not None and svc.proc.poll() is None:
+                svc.kill()
+        producer.join(120)
+    text = first.stderr()
+    assert first.proc.returncode == 1, text[-3000:]
+    assert "Traceback" not in text and "never retrieved" not in text, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("hami-usage aggregate: Kafka: ProducerFenced: "), last
+
+
 def test_restart_from_checkpoints_in_process(tmp_path: Path) -> None:
     """The service's protocol without processes, at many more crash points: commit (records
     out, checkpoint = needed offset + emitted end) at random moments, crash at others (records

@@ -123,8 +123,9 @@ def reader(cfg: KafkaClientConfig, command: str, bootstrap: str | None) -> Consu
 def start_logging(level: int) -> None:
     """Timestamped log lines; aiokafka's connection errors while a broker is away are
     repeated once per distinct message and period, not forty times a second."""
-    from ..transport.kafka import QuietRetries
+    from ..transport.kafka import QuietRetries, UnreadKafkaErrors
 
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(QuietRetries())
+    logging.getLogger("asyncio").addFilter(UnreadKafkaErrors())

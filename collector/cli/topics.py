@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import ConfigError, TopicsConfig, load
 from .args import Command, UsageError
-from .kafka import KAFKA_FLAGS, kafka_flags, kafka_security, run_kafka
+from .kafka import KAFKA_FLAGS, kafka_flags, kafka_security, run_kafka, start_logging
 from .settings import load_settings
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     plan = plan_of(cfg, cfg.topic, cfg.billing_topic)
     security = kafka_security(cfg, "topics")
+    start_logging(logging.WARNING)
     ok: bool = run_kafka("topics", apply_plan(cfg.kafka, security, plan, args.apply, sys.stdout))
     return 0 if ok else 1
 

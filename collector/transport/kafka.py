@@ -110,6 +110,18 @@ class QuietRetries(logging.Filter):
         return True
 
 
+class UnreadKafkaErrors(logging.Filter):
+    """For the `asyncio` logger. A failed transaction or send fails aiokafka's futures for
+    every record, batch and waiter in it, and asyncio logs each that nobody read as 'never
+    retrieved', with a traceback, when it is freed (a fenced producer: three after the
+    command's own line). The error reaches our code through the call that failed, which says
+    it once; these copies of it are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, KafkaError) and "never retrieved" in str(record.msg))
+
+
 class BrokerUnreachable(Exception):
     """No broker answered within the start-up timeout, or one refused us (credentials,
     certificate, ACL); the message is one line for stderr."""
@@ -250,15 +262,6 @@ def delivery_error(futures: Iterable[asyncio.Future[Any]]) -> BaseException | No
         if fut.done() and not fut.cancelled() and fut.exception() is not None:
             return fut.exception()
     return None
-
-
-def take_transaction_error(producer: AIOKafkaProducer) -> None:
-    """Call before `abort_transaction`: aiokafka keeps a failed transaction's error in a
-    future that the abort replaces without reading it, and asyncio then logs it with a
-    traceback. The error itself reaches the caller through the call that failed."""
-    waiter = getattr(getattr(producer, "_txn_manager", None), "_transaction_waiter", None)
-    if isinstance(waiter, asyncio.Future):
-        waiter.add_done_callback(retrieve_error)
 
 
 class KafkaForwarder:
