@@ -337,23 +337,55 @@ def inode_change(lab: Lab, s: int) -> None:
     steady(lab, s, "main", [1])
 
 
-def trailing_exit_marker(lab: Lab, s: int) -> None:
+def trailing_exit_marker(host_pid_at: int | None) -> Script:
     """A CUDA probe (pid 2) initialises the library after the trainer, is seen live without a
     host pid or memory, and exits at 3: its exit marker, all zero, is the last counted slot.
     The trainer frees to 1 GiB at 20 and exits at 30; nothing starts after it (a finished
-    Job). The count is taken for garbled, yet both exits are read in slots below it."""
+    Job). The count is the one seen while the probe ran: both exits are read below it.
+    `host_pid_at`: the trainer starts before HAMi-core knows its host pid (4001), filled in
+    then. The count was taken for garbled, so (1, 4001) could not start on its word: the
+    trainer went unbilled from then on, for as long as the marker stayed last."""
+
+    def script(lab: Lab, s: int) -> None:
+        if s == 0:
+            c = lab.container("main", devices=1)
+            c.w.add_process(1, 0 if host_pid_at else 4001)
+            lab.set_data(c, 1, 0, 2 * GiB)
+            c.w.add_process(2, 0)
+        c = lab.ctrs["main"]
+        if s == 3:
+            c.w.exit(2)
+        if s == host_pid_at:
+            c.w.set_hostpid(1, 4001)
+        if s == 20:
+            lab.set_data(c, 1, 0, 1 * GiB)
+        if s == 30:
+            c.w.exit(1)
+
+    return script
+
+
+def two_exit_markers(lab: Lab, s: int) -> None:
+    """Trainer, probe, worker, probe; both probes exit at 3, leaving markers in slots 1 and 3
+    (the last counted). The slots were cut at the first marker, so the worker's free at 10 and
+    its exit at 20 were never read: billed at 1.5 GiB until a later start compacted the table
+    (never, for a finished Job)."""
     if s == 0:
         c = lab.container("main", devices=1)
         lab.spawn(c, 1, 4001)
         lab.set_data(c, 1, 0, 2 * GiB)
         c.w.add_process(2, 0)
+        lab.spawn(c, 3, 4003)
+        lab.set_data(c, 3, 0, GiB + GiB // 2)
+        c.w.add_process(4, 0)
     c = lab.ctrs["main"]
     if s == 3:
         c.w.exit(2)
+        c.w.exit(4)
+    if s == 10:
+        lab.set_data(c, 3, 0, 1 * GiB)
     if s == 20:
-        lab.set_data(c, 1, 0, 1 * GiB)
-    if s == 30:
-        c.w.exit(1)
+        c.w.exit(3)
 
 
 FIXED: dict[str, tuple[Script, bool]] = {  # name -> (script, with a host /proc)
@@ -368,7 +400,9 @@ FIXED: dict[str, tuple[Script, bool]] = {  # name -> (script, with a host /proc)
     "host_pid_lag": (host_pid_lag(60), True),
     "host_pid_lookup_timeout": (host_pid_lag(None), True),
     "garbled_count": (garbled_count, False),
-    "trailing_exit_marker": (trailing_exit_marker, False),
+    "trailing_exit_marker": (trailing_exit_marker(None), False),
+    "trailing_marker_host_pid": (trailing_exit_marker(10), False),
+    "two_exit_markers": (two_exit_markers, False),
     # proc_num lowered, pid 3 not yet copied into the hole: only past the count
     "compaction_preempted_count": (compaction_preempted("count"), False),
     # pid 3's identity copied into the hole, used[] not yet: the exit marker's counters

@@ -412,6 +412,33 @@ def test_by_default_a_stuck_seqlock_is_taken_on_the_second_scan(
     assert rows(second)[(10, 1)] == 3 * MiB
 
 
+def test_by_default_a_writer_caught_mid_update_twice_is_not_stuck(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    """Odd at one count, then odd at another with other bytes: a live writer seen mid-update
+    on two scans. With the default (no time to wait) it was taken for stuck at once, and its
+    half-done row billed."""
+    w = writer(tmp_path, writers)
+    w.add_process(10, 1010)
+    w.add_memory(10, 0, "data", GiB)
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)  # the default settings
+    s.scan()
+    slot = w.region.procs[0]
+    slot.seqlock += 1  # mid-update: data stored, total not yet
+    slot.used[0].data_size += 512 * MiB
+    assert kinds(s.scan()) == [("torn_read", 0, 10)]
+    slot.used[0].total += 512 * MiB
+    slot.seqlock += 2  # that update done, the next one begun
+    slot.used[0].data_size += 256 * MiB
+    second = s.scan()
+    assert kinds(second) == []  # the torn read goes on: reported once
+    assert rows(second) == {}
+    slot.used[0].total += 256 * MiB
+    slot.seqlock += 1  # done
+    del slot  # (a view into the writer's mapping, which closes after the test)
+    assert rows(s.scan())[(10, 0)] == GiB + 768 * MiB
+
+
 @pytest.mark.parametrize("layout", [V0A, V11, V12], ids=lambda lay: lay.name)
 def test_a_process_that_lived_between_two_scans_past_proc_num_is_no_orphan(
     tmp_path: Path, writers: list[FaultyWriter], layout: Any

@@ -369,18 +369,23 @@ def _scan_contiguous(
 
 
 def _within_contents(
-    slots: list[tuple[int, bytes]], proc_num: int, anomalies: list[Anomaly]
+    slots: list[tuple[int, bytes]],
+    proc_num: int,
+    anomalies: list[Anomaly],
+    counted: int | None = None,
 ) -> list[tuple[int, bytes]]:
     """The slots of the file's real contents. HAMi-core fills a slot before it counts it, so
     an all-zero slot below `proc_num` is either the exit marker of a process that exited before
     it had a host pid or any memory (pid and status 0, its counters untouched: all zero), or a
-    sign that the count is garbled. When the last counted slot holds something the count is
-    the writer's, and every empty slot below it is an exit marker; when it is empty too, the
-    count is taken for garbled and the slots end at the first empty one (what lies beyond is
-    not the file's real contents, at most stale copies)."""
+    sign that the count is garbled. The count is the writer's, and every empty slot below it an
+    exit marker, when its last slot holds something, or when it is `counted`: the count of this
+    file's last snapshot that took it for the writer's (an exit never changes the count, so a
+    CUDA probe that ended last leaves its marker as the last counted slot, under the count seen
+    while it ran). Otherwise the count is taken for garbled and the slots end at the first
+    empty one: what lies beyond is not the file's real contents, at most stale copies."""
     for n, (k, raw) in enumerate(slots):
         if _empty(raw):
-            if not _empty(slots[-1][1]):
+            if not _empty(slots[-1][1]) or proc_num == counted:
                 return slots  # exit markers: read as slots whose process is not live
             detail = f"proc_num {proc_num} but slot {k} is empty"
             anomalies.append(Anomaly("proc_num_out_of_range", detail, slot=k, value=proc_num))
@@ -411,7 +416,7 @@ class ParseMemo:
     probed, the header with the seqlock words before, the slots, the slots again.
     """
 
-    __slots__ = ("header", "slots", "block", "last", "past")
+    __slots__ = ("header", "slots", "block", "last", "past", "counted")
 
     def __init__(self) -> None:
         self.header: _Header | None = None
@@ -428,6 +433,8 @@ class ParseMemo:
         # (proc_num, end slot, first read, second read, where in the reads they begin), or
         # None when it read none.
         self.past: Past | None = None
+        # The proc_num of the last snapshot that took it for the writer's (`_within_contents`)
+        self.counted: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -585,8 +592,11 @@ def snapshot_fd(
                                  procs, tail_fields, last_kernel_time, anomalies)  # fmt: skip
                 memo.last = (tail, snap, None)
                 return snap
-            slots = _read_slots(f, layout, proc_num, retries, anomalies)
-            slots = _within_contents(slots, proc_num, anomalies)
+            read = _read_slots(f, layout, proc_num, retries, anomalies)
+            counted = memo.counted if memo is not None else None
+            slots = _within_contents(read, proc_num, anomalies, counted)
+            if memo is not None and len(slots) == len(read):
+                memo.counted = proc_num
         else:
             detail = f"proc_num {proc_num} is outside 0..{MAX_PROCS}"
             anomalies.append(Anomaly("proc_num_out_of_range", detail, value=proc_num))
@@ -823,9 +833,11 @@ def _parse_block(
     size = layout.slot_size
     slot_anomalies: list[Anomaly] = []
     slots = [(k, block[k * size : k * size + size]) for k in range(len(block) // size)]
-    slots = _within_contents(slots, len(slots), slot_anomalies)
+    within = _within_contents(slots, len(slots), slot_anomalies, memo.counted)
+    if len(within) == len(slots):
+        memo.counted = len(slots)
     live_used = [0] * MAX_DEVICES
-    procs = _parse_memo(memo, codec, short, slots, ndev, live_used, slot_anomalies)
+    procs = _parse_memo(memo, codec, short, within, ndev, live_used, slot_anomalies)
     memo.block = (short, block, procs, slot_anomalies, tuple(live_used))
     anomalies += slot_anomalies
     return procs, live_used

@@ -345,8 +345,9 @@ def _beyond_the_count(st: FileState, garbled: list[Anomaly]) -> set[ProcKey]:
     lies there is not read). One last seen below or in that slot and not live there now has
     exited: compaction only moves processes down, and an all-zero slot is an exit marker (a
     process that ended before it had a host pid or memory leaves one, also as the last counted
-    slot, which is what makes the count look garbled). A count outside 0..1024 says nothing
-    of where the contents end: every known process is held."""
+    slot, which makes a count first seen that way look garbled: see `_within_contents`). A
+    count outside 0..1024 says nothing of where the contents end: every known process is
+    held."""
     if not garbled:
         return set()
     first_empty = min((a.slot for a in garbled if a.slot is not None), default=None)

@@ -183,10 +183,13 @@ class WriterFaults:
                 # Stable in what only the process writes: the watcher may still write the rest.
                 owned = _owned(layout, raw)
                 prev = w.stuck.get(k)
-                since = prev[2] if prev is not None and prev[:2] == (seq, owned) else now_s
+                same = prev is not None and prev[:2] == (seq, owned)
+                since = prev[2] if prev is not None and same else now_s
                 seen[k] = (seq, owned, since)
-                if prev is None or now_s - since < self.settings.stuck_after_s:
-                    continue  # first seen this scan: wait for the next one
+                if not same or now_s - since < self.settings.stuck_after_s:
+                    # first seen this scan, or seen odd before at another count or with other
+                    # bytes (a live writer caught mid-update twice): wait for the next one
+                    continue
                 proc, extra = parse_slot(layout, k, raw, device_num)
                 procs.append(proc)
                 anomalies.remove(a)
