@@ -177,8 +177,9 @@ class TopicsConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_
     billing_topic: str = "hami.billing.v1"
     usage_partitions: PositiveInt = 6
     billing_partitions: PositiveInt = 3
-    replication_factor: PositiveInt = 3
-    min_insync_replicas: PositiveInt = 2
+    # Kafka's CreateTopics field is an int16: a larger one was a traceback from the encoder.
+    replication_factor: Annotated[int, Meta(gt=0, le=2**15 - 1)] = 3
+    min_insync_replicas: Annotated[int, Meta(gt=0, le=2**15 - 1)] = 2
     usage_retention_days: Positive = 400.0  # the replay horizon
 
     def __post_init__(self) -> None:

@@ -214,12 +214,23 @@ def writable_dir(flag: str, value: str) -> None:
 
 
 def distinct_files(outputs: list[tuple[str, str]]) -> None:
-    """The (flag, path) outputs of one command are different files: two writers of one file
-    lose what the first wrote (a symlink or `./x` for `x` is the same file too)."""
+    """The (flag, path) outputs of one command (and `report`'s inputs) are different files: two
+    writers of one file lose what the first wrote, a writer of an input replaces what it reads
+    (a symlink or `./x` for `x` is the same file too)."""
     for i, (flag, value) in enumerate(outputs):
         for other_flag, other in outputs[:i]:
             if _same_file(value, other):
                 raise SettingError(f"{other_flag} {other} and {flag} {value} are the same file")
+
+
+def outside_folder(outputs: list[tuple[str, str]], folder_flag: str, folder: str) -> None:
+    """No output lies in an input folder (`report --parquet`): written among the parts it
+    would be read as one, or replace one (a symlink or `./` spelling is inside too)."""
+    real = os.path.realpath(folder)
+    for flag, value in outputs:
+        where = os.path.realpath(value)
+        if where == real or where.startswith(real.rstrip("/") + "/"):
+            raise SettingError(f"{flag} {value} is inside {folder_flag} {folder}")
 
 
 def _same_file(a: str, b: str) -> bool:

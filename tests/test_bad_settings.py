@@ -326,6 +326,16 @@ def test_topics_refuses_a_retention_that_rounds_to_no_millisecond(tmp_path: Path
         "hami-usage topics: invalid setting usage_retention_days: 1e-09 days is less than 1 ms",
     )
 
+@pytest.mark.parametrize("name", ["replication_factor", "min_insync_replicas"])
+def test_topics_refuses_more_replicas_than_kafkas_16_bit_field_holds(
+    tmp_path: Path, name: str
+) -> None:
+    """`--replication-factor 40000 --apply` was a traceback from the request's int16 encoder."""
+    flag = "--" + name.replace("_", "-")
+    proc = run("topics", "--kafka", "127.0.0.1:9", flag, "32768", "--apply", cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage topics: invalid setting {name}: Expected `int` <= 32767")
+
+
 @pytest.mark.parametrize("window", ["0.0005", "0.0015"])
 def test_replay_refuses_a_window_of_part_of_a_millisecond(
     paths: dict[str, str], tmp_path: Path, window: str
@@ -555,6 +565,63 @@ def test_a_password_file_and_a_password_in_the_environment_are_one_or_the_other(
         "hami-usage aggregate: set kafka_password_file or HAMI_USAGE_KAFKA_PASSWORD, not both",
     )
     assert "s3cret" not in proc.stderr and "other-value" not in proc.stderr
+
+
+REPORT_SPAN = ["--from", "2024-01-01T00:00Z", "--to", "2024-01-02T00:00Z"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prices_file_that_is_no_regular_file_of_at_most_1_mib(
+    paths: dict[str, str], tmp_path: Path, kind: str
+) -> None:
+    """Read as --config is: a FIFO hung the report, /dev/zero was read without bound."""
+    prices, why = _not_a_settings_file(tmp_path, kind)
+    proc = run("report", *REPORT_SPAN, "--csv", paths["file"], "--prices", prices, cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage report: prices {prices}: {why}")
+
+
+def test_a_prices_file_that_is_not_utf8_is_one_line_naming_it(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    """The line was the codec's ("'utf-8' codec can't decode ..."), without the file."""
+    prices = tmp_path / "prices.toml"
+    prices.write_bytes(b'currency = "USD"\n\xff')
+    proc = run("report", *REPORT_SPAN, "--csv", paths["file"], "--prices", str(prices),
+               cwd=tmp_path)  # fmt: skip
+    assert_one_line(proc, f"hami-usage report: prices {prices}: not UTF-8 text (byte 17)")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--csv", "in", "--out-csv", "in"], "--csv in and --out-csv in are the same file"),
+        (["--jsonl", "in", "--html", "./in"], "--jsonl in and --html ./in are the same file"),
+        (["--csv", "in", "--html", "link"], "--csv in and --html link are the same file"),
+        (["--csv", "in", "--jsonl", "link"], "--csv in and --jsonl link are the same file"),
+        (["--csv", "in", "--csv", "./in"], "--csv in and --csv ./in are the same file"),
+        (["--parquet", "pq", "--out-csv", "pq/x.csv"], "--out-csv pq/x.csv is inside --parquet pq"),
+        (
+            ["--parquet", "link-pq", "--html", "pq/day=2024-01-01/x.html"],
+            "--html pq/day=2024-01-01/x.html is inside --parquet link-pq",
+        ),
+    ],
+    ids=["csv-out", "jsonl-html", "symlink", "input-twice-linked", "input-twice", "in-parquet",
+         "in-parquet-linked"],
+)  # fmt: skip
+def test_report_refuses_an_output_that_is_one_of_its_inputs(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """`--csv in --out-csv in` replaced the billing records with the bill, exit 0; an input
+    given twice was billed twice. Refused before anything is read or written."""
+    (tmp_path / "in").write_text("x\n")
+    (tmp_path / "link").symlink_to("in")
+    (tmp_path / "pq" / "day=2024-01-01").mkdir(parents=True)
+    (tmp_path / "link-pq").symlink_to("pq")
+    proc = run("report", *REPORT_SPAN, *args, cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage report: {message}")
+    assert (tmp_path / "in").read_text() == "x\n"
+    assert sorted(os.listdir(tmp_path)) == ["in", "link", "link-pq", "pq"]
+    assert os.listdir(tmp_path / "pq" / "day=2024-01-01") == []
 
 
 SASL = [

@@ -139,14 +139,16 @@ async def scrape(collector: Collector, accept: str = "") -> str:
     return body
 
 
-def own_labels(pod: str, pod_uid: str, container: str, uuid: str) -> frozenset[tuple[str, str]]:
+def own_labels(
+    pod: str, pod_uid: str, container: str, uuid: str, index: int = 0
+) -> frozenset[tuple[str, str]]:
     return frozenset(
         {
             "namespace": "" if not pod else "team-a",
             "pod": pod,
             "pod_uid": pod_uid,
             "container": container,
-            "device_index": "0",
+            "device_index": str(index),
             "device_uuid": uuid,
         }.items()
     )
@@ -365,6 +367,22 @@ async def test_bind_address(serve: Serve) -> None:
         await asyncio.to_thread(get, port, "/healthz", "127.0.0.1")
 
 
+async def scrape_root(root: Path, tmp_path: Path, writers: list[Any]) -> str:
+    """/metrics of a collector of `root` after its second scan; the writers closed after."""
+    collector = Collector(CollectSettings(root=root, node="n1", log_dir=tmp_path / "log",
+                                          interval_s=0.1, nvml=False, metrics_port=0))  # fmt: skip
+    task = asyncio.create_task(collector.run())
+    try:
+        while collector.scanner.stats.scans < 2:
+            await asyncio.sleep(0.05)
+        return await scrape(collector)
+    finally:
+        collector.stopping.set()
+        await task
+        for w in writers:
+            w.close()
+
+
 async def test_two_cache_files_of_one_container_are_one_series(tmp_path: Path) -> None:
     """A folder with a second cache file (one left by an earlier run next to the new one): one
     series per label set, the two files' memory summed (Prometheus drops a duplicate series'
@@ -374,24 +392,32 @@ async def test_two_cache_files_of_one_container_are_one_series(tmp_path: Path) -
     for i, w in enumerate(writers):
         w.add_process(7, 4242 + i)
         w.add_memory(7, 0, "data", (i + 1) * GiB)
-    collector = Collector(CollectSettings(root=root, node="n1", log_dir=tmp_path / "log",
-                                          interval_s=0.1, nvml=False, metrics_port=0))  # fmt: skip
-    task = asyncio.create_task(collector.run())
-    try:
-        while collector.scanner.stats.scans < 2:
-            await asyncio.sleep(0.05)
-        body = await scrape(collector)
-    finally:
-        collector.stopping.set()
-        await task
-        for w in writers:
-            w.close()
+    body = await scrape_root(root, tmp_path, writers)
     name = "hami_usage_container_memory_used_bytes"
     used = [ln for ln in body.splitlines() if ln.startswith(name + "{")]
     assert len(used) == 1, used
     labels = own_labels("", POD, "main", GPU)
     assert samples(body)[(name, labels)] == 3 * GiB
     assert samples(body)[("hami_usage_container_processes", labels)] == 1  # pid 7 in both
+
+
+async def test_processes_count_only_those_with_memory_on_the_device(tmp_path: Path) -> None:
+    """README: "processes of the container with memory on the device". A process of a two-GPU
+    container has a row on each device, of zeros where it holds nothing: it was counted on
+    both."""
+    root = tmp_path / "containers"
+    w = new_cache_file(root, POD, "main", V12, [SimDevice(GPU, 8 * GiB), SimDevice(GPU_MIG, GiB)])
+    w.add_process(7, 4242)
+    w.add_memory(7, 0, "data", GiB)  # device 0 only
+    w.add_process(8, 4343)
+    w.add_memory(8, 0, "data", MiB)
+    w.add_memory(8, 1, "data", MiB)  # both devices
+    got = samples(await scrape_root(root, tmp_path, [w]))
+    name = "hami_usage_container_processes"
+    per_device = [
+        got[(name, own_labels("", POD, "main", u, i))] for i, u in enumerate([GPU, GPU_MIG])
+    ]
+    assert per_device == [2, 1]
 
 
 def test_health_before_the_first_scan_says_there_was_none() -> None:

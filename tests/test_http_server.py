@@ -4,10 +4,13 @@ socket: a route that fails answers that request 500 and the server goes on servi
 from __future__ import annotations
 
 import asyncio
+import socket
 import urllib.error
 import urllib.request
 
-from collector.transport.http import TEXT, HttpServer
+import pytest
+
+from collector.transport.http import TEXT, HttpServer, ListenError
 
 
 def test_a_failing_route_is_a_500_and_the_server_goes_on() -> None:
@@ -36,3 +39,23 @@ def test_a_failing_route_is_a_500_and_the_server_goes_on() -> None:
             await server.stop()
 
     assert asyncio.run(run()) == [(500, b""), (200, b"ok\n")]
+
+
+def test_a_name_that_does_not_resolve_is_said_in_the_resolvers_words() -> None:
+    """A resolver error's errno is a negative EAI_* code: os.strerror() made it "Unknown error
+    -2" (`collect --metrics-bind-address`, `aggregate --health-bind-address`)."""
+    host = "nosuchhost.invalid"
+    try:
+        socket.getaddrinfo(host, 0)
+    except socket.gaierror as exc:
+        why = exc.strerror
+    else:
+        pytest.skip(f"{host} resolves here")
+
+    async def start() -> None:
+        await HttpServer(host, 0, {}).start()
+
+    with pytest.raises(ListenError) as raised:
+        asyncio.run(start())
+    assert str(raised.value) == f"0 on {host}: {why}"
+    assert "Unknown error" not in why

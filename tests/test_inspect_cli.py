@@ -45,6 +45,28 @@ def test_missing_file(tmp_path: Path) -> None:
     assert "no such file" in line
 
 
+def test_an_empty_path_is_refused_not_taken_for_the_current_folder() -> None:
+    """It was `.: is a directory`, exit 1 (`Path("")` is `.`)."""
+    proc = cli("inspect", "")
+    assert proc.returncode == 2
+    assert one_error_line(proc) == "hami-usage inspect: invalid setting path: must not be empty"
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_a_path_that_cannot_be_read_is_named_escaped_when_not_utf8(
+    tmp_path: Path, kind: str
+) -> None:
+    """The line printed the surrogate the name is held as (`\\udcff`), not `\\xff`."""
+    path = os.fsdecode(os.fsencode(tmp_path) + b"/bad\xff")
+    if kind == "directory":
+        os.mkdir(path)
+    proc = subprocess.run([sys.executable, "-m", "collector", "inspect", path],
+                          capture_output=True, timeout=60)  # fmt: skip
+    why = {"missing": "no such file", "directory": "is a directory, not a cache file"}[kind]
+    assert (proc.returncode, proc.stdout) == (1, b"")
+    assert proc.stderr == f"hami-usage inspect: {tmp_path}/bad\\xff: {why}\n".encode()
+
+
 def test_directory(tmp_path: Path) -> None:
     proc = cli("inspect", str(tmp_path))
     assert proc.returncode == 1

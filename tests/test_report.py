@@ -8,6 +8,7 @@ import contextlib
 import csv
 import io
 import math
+import os
 import re
 import resource
 import shutil
@@ -657,6 +658,45 @@ def test_report_of_a_missing_file_is_one_line(tmp_path: Path) -> None:
     proc = hami("report", "--from", "2026-01-01", "--to", "2026-01-02", "--csv", tmp_path / "no")
     assert proc.returncode == 1
     assert proc.stderr == f"hami-usage report: {tmp_path / 'no'}: no such file\n"
+
+
+@pytest.mark.parametrize(
+    "flag, kind, why",
+    [
+        ("--jsonl", "folder", "is a directory"),
+        ("--csv", "/dev/null", "not a regular file"),
+        ("--csv", "fifo", "not a regular file"),
+    ],
+)
+def test_report_of_an_input_that_is_no_regular_file_says_what_it_is(
+    tmp_path: Path, flag: str, kind: str, why: str
+) -> None:
+    """Each was "no such file", of a file that is there."""
+    path = {"folder": tmp_path, "/dev/null": Path("/dev/null"), "fifo": tmp_path / "f"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    proc = hami("report", *SPAN, flag, path, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        1,
+        "",
+        f"hami-usage report: {path}: {why}\n",
+    )
+
+
+def test_outputs_named_by_symlinks_are_written_where_they_point(tmp_path: Path) -> None:
+    """The link was replaced by a file of its own, and what it named left as it was."""
+    (tmp_path / "out").mkdir()
+    for name in ("bill.csv", "page.html"):
+        (tmp_path / "out" / name).write_text("old\n")
+        (tmp_path / name).symlink_to(Path("out") / name)
+    proc = hami("report", *SPAN, "--csv", _billing_csv(tmp_path),
+                "--out-csv", tmp_path / "bill.csv", "--html", tmp_path / "page.html")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for name in ("bill.csv", "page.html"):
+        assert (tmp_path / name).is_symlink()
+        assert (tmp_path / "out" / name).read_text() != "old\n"
+    assert (tmp_path / "out" / "bill.csv").read_text().startswith("kind,")
+    assert sorted(os.listdir(tmp_path / "out")) == ["bill.csv", "page.html"]
 
 
 # --- what tenants and damaged files can put into a report ------------------------------------

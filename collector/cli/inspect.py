@@ -8,9 +8,11 @@ from pathlib import Path
 
 import msgspec
 
+from .. import settings_check as check
 from ..layout.reader import read_snapshot
-from ..layout.snapshot import Snapshot
+from ..layout.snapshot import Snapshot, shown_path
 from .args import Command
+from .settings import flag_checks
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -19,21 +21,25 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # An empty path is refused as every empty path is (README), not read as `.` (Path("")).
+    with flag_checks("inspect"):
+        check.path("path", args.path)
     path = Path(args.path)
+    shown = shown_path(args.path)  # a name that is not UTF-8 as `\xff`, as the snapshot has it
     try:
         # Inside the try: is_dir() raises PermissionError under a directory we cannot search.
         if path.is_dir():
-            print(f"hami-usage inspect: {path}: is a directory, not a cache file", file=sys.stderr)
+            print(f"hami-usage inspect: {shown}: is a directory, not a cache file", file=sys.stderr)
             return 1
         if path.exists() and not path.is_file():
-            print(f"hami-usage inspect: {path}: not a regular file", file=sys.stderr)
+            print(f"hami-usage inspect: {shown}: not a regular file", file=sys.stderr)
             return 1
         snap = read_snapshot(path)
     except FileNotFoundError:
-        print(f"hami-usage inspect: {path}: no such file", file=sys.stderr)
+        print(f"hami-usage inspect: {shown}: no such file", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"hami-usage inspect: {path}: cannot open: {exc.strerror}", file=sys.stderr)
+        print(f"hami-usage inspect: {shown}: cannot open: {exc.strerror}", file=sys.stderr)
         return 1
     if args.json:
         sys.stdout.buffer.write(msgspec.json.encode(snap) + b"\n")

@@ -77,12 +77,16 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"hami-usage report: {exc}") from None
     cfg = load_settings(args, KafkaClientConfig, "report", KAFKA_FLAGS)
     with machine("report"):  # before the records are read, not after
-        if args.out_csv:
-            check.writable_file("--out-csv", args.out_csv)
-        if args.html:
-            check.writable_file("--html", args.html)
-        if args.out_csv and args.html:
-            check.distinct_files([("--out-csv", args.out_csv), ("--html", args.html)])
+        # An output that is an input replaced the billing records with the bill (exit 0), and
+        # an input given twice is billed twice: every file is a different one.
+        outputs = [(f"--{n.replace('_', '-')}", getattr(args, n)) for n in ("out_csv", "html")]
+        outputs = [(flag, value) for flag, value in outputs if value]
+        inputs = [(f"--{n}", v) for n in ("csv", "jsonl") for v in getattr(args, n) or []]
+        check.distinct_files(inputs + outputs)
+        if args.parquet:
+            check.outside_folder(outputs, "--parquet", args.parquet)
+        for flag, value in outputs:
+            check.writable_file(flag, value)
     report_args = ReportArgs(
         from_ms=from_ms,
         to_ms=to_ms,
@@ -113,10 +117,12 @@ def _run(args: argparse.Namespace) -> int:
 def _write(path: str, text: str) -> bool:
     """`text` to `path` whole or not at all (checked at start; a disk that filled up since is
     one line, and no cut-off file)."""
-    part = f"{path}.part"
+    # The file a symlink names is written, not the link replaced by a file of its own.
+    real = os.path.realpath(path)
+    part = f"{real}.part"
     try:
         Path(part).write_text(text)
-        os.replace(part, path)
+        os.replace(part, real)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(part)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import stat
 import typing
 from collections.abc import Iterable, Iterator
 from decimal import Decimal
@@ -152,8 +153,18 @@ def from_records(records: Iterable[BillingRecord], from_ms: int, to_ms: int) -> 
 
 
 def _open(path: Path) -> Path:
-    if not path.is_file():
-        raise LoadError(f"{path}: no such file")
+    """`path` if it is a regular file (or a symlink to one); a folder, /dev/null or a FIFO
+    said "no such file" of a file that is there."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise LoadError(f"{path}: no such file") from None
+    except OSError as e:
+        raise LoadError(f"{path}: {e.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise LoadError(f"{path}: is a directory")
+    if not stat.S_ISREG(mode):
+        raise LoadError(f"{path}: not a regular file")
     return path
 
 

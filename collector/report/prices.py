@@ -25,6 +25,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from .. import settings_check as check
+
 __all__ = ["MAX_EXPONENT", "PriceError", "Prices"]
 
 MAX_EXPONENT = 30  # of a price or adjustment (`Decimal.adjusted`): 1e-30 up to below 1e31
@@ -65,10 +67,15 @@ class Prices:
 
     @classmethod
     def load(cls, path: Path) -> Prices:
+        # As --config is read: a FIFO waited for a writer forever and /dev/zero never ended.
         try:
-            text = path.read_text()
+            text = check.small_file(path).decode("utf-8")
         except OSError as exc:
             raise PriceError(f"prices {path}: {exc.strerror}") from None
+        except check.SettingError as exc:
+            raise PriceError(f"prices {path}: {exc}") from None
+        except UnicodeDecodeError as exc:  # TOML is UTF-8; the bytes are not shown
+            raise PriceError(f"prices {path}: not UTF-8 text (byte {exc.start})") from None
         return cls.parse(text, str(path))
 
     @classmethod

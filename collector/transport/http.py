@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,13 @@ class HttpServer:
         try:
             self._server = await asyncio.start_server(self._handle, self.host, self.port)
         except OSError as exc:
-            # asyncio words its own strerror; the errno's text is the short one.
-            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            if isinstance(exc, socket.gaierror):
+                # A resolver error's errno is an EAI_* code, negative: os.strerror() has no
+                # text for it ("Unknown error -2"), the exception's own is the resolver's.
+                why = exc.strerror or str(exc)
+            else:
+                # asyncio words its own strerror; the errno's text is the short one.
+                why = os.strerror(exc.errno) if exc.errno else str(exc)
             raise ListenError(f"{self.port} on {self.host}: {why}") from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port

@@ -163,7 +163,9 @@ def _container_series(
                 sm_util=sum(r.sm_util for r in rows),
                 sm_limit=dev.sm_limit,
                 last_kernel_age=max(0, int(scrape.now_s) - last_kernel) if last_kernel else None,
-                processes=len({r.pid for r in rows}),
+                # With memory on this device: a process of a two-GPU container that uses only
+                # one still has a row (of zeros) on the other.
+                processes=len({r.pid for r in rows if r.total > 0}),
             )
             # HAMi's legacy memory metric spells the breakdown out in labels.
             context["context_bytes"] = str(values.context)
