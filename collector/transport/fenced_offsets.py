@@ -137,6 +137,13 @@ class _Handler(TxnOffsetCommitHandler):  # type: ignore[misc]
         generation, member, _instance = self._member
         # (aiokafka forgets a member the coordinator no longer knows before it rejoins)
         who = f"member {member} of generation {generation}" if member else "this replica"
+        self.refuse(
+            f"group {self._group_id} refused the offsets of {partition} ({error}: {who} is "
+            "no longer in the group)"
+        )
+
+    def refuse(self, why: str) -> None:
+        """Fail the transaction as `GroupMembershipLost` (`why`, then what follows)."""
         txn = self._sender._txn_manager
         # aiokafka forgets on an error what the transaction holds, and its abort then sends
         # nothing: the records would stay pending on the broker (every read_committed reader
@@ -145,9 +152,7 @@ class _Handler(TxnOffsetCommitHandler):  # type: ignore[misc]
         holds, group = set(txn.txn_partitions), txn._txn_consumer_group
         txn.error_transaction(
             GroupMembershipLost(
-                f"group {self._group_id} refused the offsets of {partition} ({error}: {who} is "
-                "no longer in the group): the transaction is aborted, the partitions' new "
-                "owner bills them"
+                f"{why}: the transaction is aborted, the partitions' new owner bills them"
             )
         )
         txn.txn_partitions.update(holds)
@@ -170,12 +175,25 @@ def commit_offsets_as_member(producer: AIOKafkaProducer, consumer: AIOKafkaConsu
         # (aiokafka's `Sender._do_txn_offset_commit`, with the request above)
         if not offsets:
             return
+        member = membership()
+        if member[0] < 0:
+            # aiokafka has forgotten the membership: it learnt that the group dropped this
+            # replica (a session that ran out while the process was stopped, a commit held
+            # past the rebalance timeout).
+            # A group left empty meanwhile takes generation -1 offsets from anyone, and this
+            # transaction, made before its partitions moved on, would commit over what their
+            # next owner had committed and published.
+            _Handler(sender, offsets, group_id, member).refuse(
+                f"group {group_id} dropped this replica (its session or a rebalance ran out: "
+                "it is no longer in the group), so its offsets were not sent"
+            )
+            return
         try:
             node_id = await sender._find_coordinator(CoordinationType.GROUP, group_id)
         except GroupAuthorizationFailedError as exc:
             sender._txn_manager.error_transaction(exc)
             return
-        await _Handler(sender, offsets, group_id, membership()).do(node_id)
+        await _Handler(sender, offsets, group_id, member).do(node_id)
 
     sender._do_txn_offset_commit = txn_offset_commit
 
@@ -184,7 +202,7 @@ def _membership_of(consumer: AIOKafkaConsumer) -> Callable[[], Membership]:
     def membership() -> Membership:
         coordinator = consumer._coordinator
         if coordinator is None or not hasattr(coordinator, "generation"):
-            return -1, "", None  # not in a group: the coordinator checks nothing, as v0
+            return -1, "", None  # not in a group: refused (`commit_offsets_as_member`)
         return coordinator.generation, coordinator.member_id, coordinator._group_instance_id
 
     return membership
