@@ -113,7 +113,11 @@ def test_topics_prints_creates_and_checks(kafka_bootstrap: str, names: dict[str,
     assert again.returncode == 0 and "created" not in again.stdout, again.stdout
     other = hami("topics", *topic_flags(kafka_bootstrap, names["usage"], names["billing"], 3))
     assert other.returncode == 1
-    assert "  differs: partitions=2, want 3\n" in other.stdout
+    assert (
+        "  differs: partitions=2, want 3 (do not add partitions to a topic in use: its keys "
+        "would move to other partitions, the usage topic's windows billed twice; keep it, or "
+        "move to a new topic: see the README's Topics)\n"
+    ) in other.stdout
     bad = hami("topics", *flags, "--min-insync-replicas", "2")
     assert bad.returncode == 2
     assert bad.stderr == (

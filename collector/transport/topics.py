@@ -93,7 +93,17 @@ def differences(spec: TopicSpec, state: TopicState | None) -> list[str]:
         return ["missing"]
     out = []
     if state.partitions != spec.partitions:
-        out.append(f"partitions={state.partitions}, want {spec.partitions}")
+        line = f"partitions={state.partitions}, want {spec.partitions}"
+        if state.partitions < spec.partitions:
+            # Both topics are keyed (node name, record id): added partitions move keys. A
+            # node's events on two partitions at once had one window billed twice, with one
+            # record_id and different values.
+            line += (
+                " (do not add partitions to a topic in use: its keys would move to other "
+                "partitions, the usage topic's windows billed twice; keep it, or move to a new "
+                "topic: see the README's Topics)"
+            )
+        out.append(line)
     if state.replication_factor != spec.replication_factor:
         out.append(f"replication.factor={state.replication_factor}, want {spec.replication_factor}")
     for key, want in sorted(spec.configs.items()):
