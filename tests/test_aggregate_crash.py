@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import signal
 import subprocess
 import threading
@@ -23,6 +24,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from broker import PrivateBroker
 from streams import (
     HAMI_USAGE,
     T0_MS,
@@ -216,6 +218,54 @@ def test_a_replica_fenced_by_a_second_of_its_instance_stops_with_one_line(
     assert "Traceback" not in text and "never retrieved" not in text, text[-3000:]
     last = text.strip().splitlines()[-1]
     assert last.startswith("hami-usage aggregate: Kafka: ProducerFenced: "), last
+
+
+@pytest.mark.kafka
+def test_a_broker_that_lost_its_state_stops_a_replica_with_the_reason(
+    own_broker: PrivateBroker, kafka_topic: str, tmp_path: Path
+) -> None:
+    """The broker wiped and started again (a new cluster id) while a replica runs: its next
+    transaction is refused as InvalidProducerIdMapping, which aiokafka logs with a traceback
+    and raises as "Unexpected error during batch delivery". The line said only that."""
+    bootstrap = own_broker.bootstrap
+    seconds = iter(Stream(tmp_path / "nodes", recent_t0(SPEC.seconds), SPEC, NODES).seconds())
+
+    async def produce(n: int) -> None:
+        async with Producer(bootstrap, kafka_topic) as p:
+            for _ in range(n):
+                await p.send(next(seconds))
+
+    def topics() -> None:
+        for topic in (kafka_topic, f"{kafka_topic}.billing"):
+            asyncio.run(create_topic(bootstrap, topic, 2))
+
+    topics()
+    asyncio.run(produce(200))
+    svc = Service(
+        ["aggregate", "--kafka", bootstrap, "--topic", kafka_topic,
+         "--billing-topic", f"{kafka_topic}.billing", "--group", f"{kafka_topic}.g",
+         *WINDOW_FLAGS],
+        tmp_path / "svc.err",
+    )  # fmt: skip
+    try:
+        svc.wait_assigned()
+        time.sleep(5)  # a transaction or two
+        own_broker.stop()
+        shutil.rmtree(own_broker.home / "data")
+        own_broker.start()  # (the topics come back as the clients ask for them)
+        deadline = time.monotonic() + 120
+        while svc.proc.poll() is None and time.monotonic() < deadline:
+            asyncio.run(produce(5))
+            time.sleep(1)
+    finally:
+        if svc.proc.poll() is None:
+            svc.kill()
+    text = svc.stderr()
+    assert svc.proc.returncode == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("hami-usage aggregate: Kafka: "), last
+    assert "InvalidProducerIdMapping" in last, last
 
 
 def test_restart_from_checkpoints_in_process(tmp_path: Path) -> None:

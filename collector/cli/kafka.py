@@ -98,6 +98,11 @@ def kafka_errors(command: str) -> Iterator[None]:
     except KafkaError as exc:
         refusal = classify(exc)
         detail = f"Kafka refused: {refusal}" if refusal else f"Kafka: {exc}"
+        cause = exc.__cause__
+        if cause is not None and not refusal:
+            # aiokafka wraps what stopped its sender ("Unexpected error during batch
+            # delivery"): e.g. InvalidProducerIdMapping, a broker that lost its state.
+            detail += f" ({type(cause).__name__}: {cause})"
         print(f"hami-usage {command}: {detail}", file=sys.stderr)
         raise SystemExit(1) from None
 

@@ -97,6 +97,13 @@ class QuietRetries(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith(NOISY) or record.levelno < logging.WARNING:
             return True
+        if record.exc_info and record.exc_info[1] is not None:
+            # aiokafka logs some errors with their traceback and then raises them (the
+            # command's line says why): the error is folded into its line.
+            exc = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {exc}"
+            record.args = None
+            record.exc_info = record.exc_text = None
         key = (record.name, str(record.msg))
         now = time.monotonic()
         last = self._last.get(key)
