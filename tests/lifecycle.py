@@ -129,9 +129,16 @@ class Lab:
     """One node: containers, an optional fake host /proc, a scanner, the truth."""
 
     def __init__(
-        self, tmp: Path, name: str, *, host_proc: bool = False, presence: Presence = "folder"
+        self,
+        tmp: Path,
+        name: str,
+        *,
+        host_proc: bool = False,
+        presence: Presence = "folder",
+        reuse: bool = True,
     ) -> None:
         self.name = name
+        self.reuse = reuse
         self.presence: Presence = presence
         self.root = tmp / name / "containers"
         self.root.mkdir(parents=True)
@@ -156,6 +163,7 @@ class Lab:
             host_proc=None if self.proc is None else str(self.proc),
             after_ms=after_ms,
             presence_policy=self.presence,
+            reuse=self.reuse,
         )
 
     # --- what containers do ----------------------------------------------------------------

@@ -365,27 +365,38 @@ def trailing_exit_marker(host_pid_at: int | None) -> Script:
     return script
 
 
-def two_exit_markers(lab: Lab, s: int) -> None:
-    """Trainer, probe, worker, probe; both probes exit at 3, leaving markers in slots 1 and 3
-    (the last counted). The slots were cut at the first marker, so the worker's free at 10 and
-    its exit at 20 were never read: billed at 1.5 GiB until a later start compacted the table
-    (never, for a finished Job)."""
-    if s == 0:
-        c = lab.container("main", devices=1)
-        lab.spawn(c, 1, 4001)
-        lab.set_data(c, 1, 0, 2 * GiB)
-        c.w.add_process(2, 0)
-        lab.spawn(c, 3, 4003)
-        lab.set_data(c, 3, 0, GiB + GiB // 2)
-        c.w.add_process(4, 0)
-    c = lab.ctrs["main"]
-    if s == 3:
-        c.w.exit(2)
-        c.w.exit(4)
-    if s == 10:
-        lab.set_data(c, 3, 0, 1 * GiB)
-    if s == 20:
-        c.w.exit(3)
+def two_exit_markers(probe_at: int | None) -> Script:
+    """Trainer, probe, worker, probe; the first probe exits at 3, leaving a marker in slot 1,
+    the second at 3 too (`probe_at` None) or it starts and exits between two scans at
+    `probe_at` (a probe that lives under a second: its marker is last in a count never seen
+    before, one slot above the count last read). The slots were cut at the first marker, so
+    the worker's free at 10 and its exit at 20 were never read: billed at 1.5 GiB until a
+    later start compacted the table (never, for a finished Job)."""
+
+    def script(lab: Lab, s: int) -> None:
+        if s == 0:
+            c = lab.container("main", devices=1)
+            lab.spawn(c, 1, 4001)
+            lab.set_data(c, 1, 0, 2 * GiB)
+            c.w.add_process(2, 0)
+            lab.spawn(c, 3, 4003)
+            lab.set_data(c, 3, 0, GiB + GiB // 2)
+            if probe_at is None:
+                c.w.add_process(4, 0)
+        c = lab.ctrs["main"]
+        if s == 3:
+            c.w.exit(2)
+            if probe_at is None:
+                c.w.exit(4)
+        if s == probe_at:
+            c.w.add_process(4, 0)
+            c.w.exit(4)
+        if s == 10:
+            lab.set_data(c, 3, 0, 1 * GiB)
+        if s == 20:
+            c.w.exit(3)
+
+    return script
 
 
 FIXED: dict[str, tuple[Script, bool]] = {  # name -> (script, with a host /proc)
@@ -402,7 +413,8 @@ FIXED: dict[str, tuple[Script, bool]] = {  # name -> (script, with a host /proc)
     "garbled_count": (garbled_count, False),
     "trailing_exit_marker": (trailing_exit_marker(None), False),
     "trailing_marker_host_pid": (trailing_exit_marker(10), False),
-    "two_exit_markers": (two_exit_markers, False),
+    "two_exit_markers": (two_exit_markers(None), False),
+    "two_exit_markers_quick_probe": (two_exit_markers(5), False),
     # proc_num lowered, pid 3 not yet copied into the hole: only past the count
     "compaction_preempted_count": (compaction_preempted("count"), False),
     # pid 3's identity copied into the hole, used[] not yet: the exit marker's counters
@@ -422,9 +434,9 @@ PASSING: dict[str, tuple[Script, bool]] = {
 SCENARIOS = {**FIXED, **PASSING}
 
 
-def run(tmp_path: Path, name: str) -> Lab:
+def run(tmp_path: Path, name: str, reuse: bool = True) -> Lab:
     script, host_proc = SCENARIOS[name]
-    lab = Lab(tmp_path, name, host_proc=host_proc)
+    lab = Lab(tmp_path, name, host_proc=host_proc, reuse=reuse)
     lab.run(SECONDS, script)
     return lab
 
@@ -436,6 +448,15 @@ def test_scenario_bills_the_exact_integral(tmp_path: Path, name: str) -> None:
     truth = nonzero(lab.truth)
     assert truth
     assert billed(records, lab.name) == truth
+
+
+@pytest.mark.parametrize("name", ["two_exit_markers", "two_exit_markers_quick_probe"])
+def test_exit_markers_bill_the_same_without_reuse(tmp_path: Path, name: str) -> None:
+    """The count last read as the writer's is the scanner's, not the parse memo's: a scanner
+    that keeps no memo (`reuse=False`) read these counts as garbled and billed the worker on."""
+    lab = run(tmp_path, name, reuse=False)
+    records = reference([msg(lab.name, e) for e in lab.events], SETTINGS)
+    assert billed(records, lab.name) == nonzero(lab.truth)
 
 
 # --- what the collector says along the way --------------------------------------------------

@@ -385,12 +385,30 @@ def _within_contents(
     empty one: what lies beyond is not the file's real contents, at most stale copies."""
     for n, (k, raw) in enumerate(slots):
         if _empty(raw):
-            if not _empty(slots[-1][1]) or proc_num == counted:
+            if not _empty(slots[-1][1]) or _counted(slots, proc_num, counted):
                 return slots  # exit markers: read as slots whose process is not live
             detail = f"proc_num {proc_num} but slot {k} is empty"
             anomalies.append(Anomaly("proc_num_out_of_range", detail, slot=k, value=proc_num))
             return slots[:n]
     return slots
+
+
+def _counted(slots: list[tuple[int, bytes]], proc_num: int, counted: int | None) -> bool:
+    """The count is `counted`, or rose from it by slots that are all empty: HAMi-core fills a
+    slot before it counts it, so a slot added since is a process that has exited already (a
+    probe that lived between two scans)."""
+    if counted is None or not 0 <= counted <= proc_num:
+        return False
+    return all(_empty(raw) for k, raw in slots if k >= counted)
+
+
+def _bearing(counted: int | None, block: bytes, slot_size: int) -> int | None:
+    """`counted` where it can bear on how `block` (the slots below proc_num) is read: only
+    when its last slot is empty; else None, so that a parse memo made with another count is
+    still the same reading (a count that moved on would miss it the scan after every change)."""
+    if len(block) >= slot_size and _empty(block[-slot_size:]):
+        return counted
+    return None
 
 
 def _empty(raw: bytes) -> bool:
@@ -416,7 +434,7 @@ class ParseMemo:
     probed, the header with the seqlock words before, the slots, the slots again.
     """
 
-    __slots__ = ("header", "slots", "block", "last", "past", "counted")
+    __slots__ = ("header", "slots", "block", "last", "past")
 
     def __init__(self) -> None:
         self.header: _Header | None = None
@@ -425,16 +443,16 @@ class ParseMemo:
         self.last: tuple[bytes, Snapshot, bytes | None] | None = None
         # slot -> (the _Short it was parsed with, its bytes, the proc, its anomalies)
         self.slots: dict[int, tuple[_Short, bytes, ProcSnapshot, list[Anomaly]]] = {}
-        # slots [0, proc_num) in one piece -> the procs, their anomalies and live totals
+        # slots [0, proc_num) in one piece, and the `counted` they were read with -> the procs,
+        # their anomalies and live totals
         self.block: (
-            tuple[_Short, bytes, list[ProcSnapshot], list[Anomaly], tuple[int, ...]] | None
+            tuple[_Short, bytes, int | None, list[ProcSnapshot], list[Anomaly], tuple[int, ...]]
+            | None
         ) = None
         # The slots past proc_num the last snapshot read along (see `snapshot_fd`'s `ahead`):
         # (proc_num, end slot, first read, second read, where in the reads they begin), or
         # None when it read none.
         self.past: Past | None = None
-        # The proc_num of the last snapshot that took it for the writer's (`_within_contents`)
-        self.counted: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -477,8 +495,12 @@ def snapshot_fd(
     memo: ParseMemo | None = None,
     st: os.stat_result | None = None,
     ahead: Callable[[int], int] | None = None,
+    counted: int | None = None,
 ) -> Snapshot:
     """Snapshot of an open, read-only descriptor. Never raises for file content.
+
+    `counted`: the proc_num of this file's last snapshot that took it for the writer's (no
+    `proc_num_out_of_range`), which `_within_contents` trusts when it ends in exit markers.
 
     `st`: the descriptor's `fstat` when the caller has just taken it (the collector, which
     checks the file it keeps open on each scan); `memo`: see `ParseMemo`. `ahead`: for a
@@ -499,7 +521,7 @@ def snapshot_fd(
     known = memo.header if memo is not None else None
     if known is not None and known.size == size:
         assert memo is not None
-        snap = _snapshot_known(fd, path, size, memo, known, ahead)
+        snap = _snapshot_known(fd, path, size, memo, known, ahead, counted)
         if snap is not None:
             return snap
         memo.past = None  # (the attempt may have read them; the general path reads afresh)
@@ -581,8 +603,11 @@ def snapshot_fd(
             block = _read_clean(f, layout, proc_num) if memo is not None else None
             if block is not None:
                 assert memo is not None
-                same = header_hit and memo.block is not None and memo.block[1] == block
-                procs, live_used = _parse_block(memo, codec, layout, ndev, block, anomalies)
+                counted = _bearing(counted, block, layout.slot_size)
+                same = header_hit and memo.block is not None and memo.block[1:3] == (block, counted)
+                procs, live_used = _parse_block(
+                    memo, codec, layout, ndev, block, anomalies, counted
+                )
                 last = memo.last
                 if same and last is not None and last[0] == tail and last[1].path == path:
                     # Every byte the snapshot is made of is as last scan: so is the snapshot.
@@ -592,11 +617,8 @@ def snapshot_fd(
                                  procs, tail_fields, last_kernel_time, anomalies)  # fmt: skip
                 memo.last = (tail, snap, None)
                 return snap
-            read = _read_slots(f, layout, proc_num, retries, anomalies)
-            counted = memo.counted if memo is not None else None
-            slots = _within_contents(read, proc_num, anomalies, counted)
-            if memo is not None and len(slots) == len(read):
-                memo.counted = proc_num
+            slots = _read_slots(f, layout, proc_num, retries, anomalies)
+            slots = _within_contents(slots, proc_num, anomalies, counted)
         else:
             detail = f"proc_num {proc_num} is outside 0..{MAX_PROCS}"
             anomalies.append(Anomaly("proc_num_out_of_range", detail, value=proc_num))
@@ -653,6 +675,7 @@ def _snapshot_known(
     memo: ParseMemo,
     known: _Header,
     ahead: Callable[[int], int] | None,
+    counted: int | None,
 ) -> Snapshot | None:
     """The snapshot of a file whose size is last scan's, in four reads while its header and
     the bytes detection probed are last scan's too and its slots below proc_num read clean
@@ -743,8 +766,9 @@ def _snapshot_known(
             Anomaly("truncated", f"{size} bytes, {layout.name} needs {layout.region_size}")
         )
     anomalies += known.anomalies
+    ndev = min(known.device_num, MAX_DEVICES)
     procs, live_used = _parse_block(
-        memo, _codec(layout), layout, min(known.device_num, MAX_DEVICES), data[start:n], anomalies
+        memo, _codec(layout), layout, ndev, data[start:n], anomalies, counted
     )
     _check_limits(known.devices, live_used, anomalies)
     snap = _snapshot(path, size, layout, known.found, known.device_num, known.devices, proc_num,
@@ -822,23 +846,24 @@ def _parse_block(
     ndev: int,
     block: bytes,
     anomalies: list[Anomaly],
+    counted: int | None,
 ) -> tuple[list[ProcSnapshot], list[int]]:
     """Procs and per-device live totals of a consistent block of slots [0, count): last scan's
-    when the block is the same bytes, else parsed (slot by slot through the memo)."""
+    when the block is the same bytes read with the same `counted`, else parsed (slot by slot
+    through the memo)."""
     short = _short(layout, ndev)
+    counted = _bearing(counted, block, layout.slot_size)
     last = memo.block
-    if last is not None and last[0] is short and last[1] == block:
-        anomalies += last[3]
-        return last[2], list(last[4])
+    if last is not None and last[0] is short and last[1] == block and last[2] == counted:
+        anomalies += last[4]
+        return last[3], list(last[5])
     size = layout.slot_size
     slot_anomalies: list[Anomaly] = []
     slots = [(k, block[k * size : k * size + size]) for k in range(len(block) // size)]
-    within = _within_contents(slots, len(slots), slot_anomalies, memo.counted)
-    if len(within) == len(slots):
-        memo.counted = len(slots)
+    slots = _within_contents(slots, len(slots), slot_anomalies, counted)
     live_used = [0] * MAX_DEVICES
-    procs = _parse_memo(memo, codec, short, within, ndev, live_used, slot_anomalies)
-    memo.block = (short, block, procs, slot_anomalies, tuple(live_used))
+    procs = _parse_memo(memo, codec, short, slots, ndev, live_used, slot_anomalies)
+    memo.block = (short, block, counted, procs, slot_anomalies, tuple(live_used))
     anomalies += slot_anomalies
     return procs, live_used
 

@@ -24,6 +24,7 @@ from ..events import (
     Heartbeat,
     LayoutAnomaly,
 )
+from ..layout.declarations import MAX_PROCS
 from ..layout.reader import ParseMemo, snapshot_fd
 from ..layout.snapshot import Anomaly, Snapshot, empty_snapshot
 from .clock import Clock, EventClock, Step
@@ -102,6 +103,9 @@ class Scanner:
         self.published: list[tuple[ContainerState, int | None]] = []
         self._files: dict[FileKey, FileState] = {}
         self._memos: dict[FileKey, ParseMemo] = {}  # per file, as _files
+        # Per file, the proc_num of its last snapshot that took it for the writer's: what a
+        # count that ends in exit markers is read against (see `_within_contents`)
+        self._counted: dict[FileKey, int] = {}
         self._snaps: dict[FileKey, Snapshot] = {}  # the snapshot each was diffed to
         self._states: dict[FileKey, ContainerState] = {}  # as last published
         self._skipped: set[tuple[str, str, str]] = set()
@@ -196,6 +200,8 @@ class Scanner:
         self._snaps = seen
         if len(self._memos) > len(present):
             self._memos = {k: m for k, m in self._memos.items() if k in present}
+        if len(self._counted) > len(present):
+            self._counted = {k: n for k, n in self._counted.items() if k in present}
         self._skipped = skipped_now
         for key in sorted(self._files.keys() - present.keys()):
             gone = self._files[key]
@@ -279,16 +285,27 @@ class Scanner:
         if memo is None and self.reuse:
             memo = self._memos[key] = ParseMemo()
         fd, st, kept = opened
+        counted = self._counted.get(key)
         try:
             if memo is None:
-                snap = snapshot_fd(fd, f.path, st=st)
-                return self.writer_faults.check(key, fd, snap, now_s)
-            faults = self.writer_faults
-            snap = snapshot_fd(fd, f.path, memo=memo, st=st, ahead=faults.ahead(key))
-            return faults.check(key, fd, snap, now_s, memo.past)
+                snap = snapshot_fd(fd, f.path, st=st, counted=counted)
+                snap = self.writer_faults.check(key, fd, snap, now_s)
+            else:
+                faults = self.writer_faults
+                snap = snapshot_fd(
+                    fd, f.path, memo=memo, st=st, ahead=faults.ahead(key), counted=counted
+                )
+                snap = faults.check(key, fd, snap, now_s, memo.past)
         finally:
             if not kept:
                 os.close(fd)
+        if (
+            snap.proc_num != counted
+            and 0 <= snap.proc_num <= MAX_PROCS
+            and not any(a.kind == "proc_num_out_of_range" for a in snap.anomalies)
+        ):
+            self._counted[key] = snap.proc_num
+        return snap
 
     def _clock_step(self, step: Step) -> Event:
         self.stats.clock_steps += 1
