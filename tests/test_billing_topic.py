@@ -16,10 +16,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from streams import (
     WINDOW_FLAGS,
     build,
+    committed_metadata,
     consume_plain,
+    create_topic,
     final_report,
     hami,
     produce,
@@ -225,3 +228,36 @@ def test_differences_name_each_mismatch_and_the_impossible_min_isr() -> None:
         "retention.ms=None, want -1",
         "min.insync.replicas=2 > replication.factor=1: no write can succeed (NotEnoughReplicas)",
     ]
+
+
+def test_records_the_billing_topic_refuses_stop_the_aggregator_uncommitted(
+    kafka_bootstrap: str, names: dict[str, str], tmp_path: Path
+) -> None:
+    """A billing topic whose max.message.bytes refuses the batches: aiokafka fails those
+    records only, and the transaction committed the offsets without them (nothing on the
+    billing topic, exit 0, nothing said)."""
+
+    async def setup() -> None:
+        await create_topic(kafka_bootstrap, names["usage"], 1)
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            small = {"cleanup.policy": "compact", "max.message.bytes": "300"}
+            await admin.create_topics([NewTopic(names["billing"], 1, 1, topic_configs=small)])
+        finally:
+            await admin.close()
+        await produce(kafka_bootstrap, names["usage"], build(tmp_path / "nodes", recent_t0(300)))
+
+    asyncio.run(setup())
+    group = f"{names['usage']}.g"
+    proc = hami(
+        "aggregate", "--kafka", kafka_bootstrap, "--topic", names["usage"],
+        "--billing-topic", names["billing"], "--group", group, *WINDOW_FLAGS, "--drain",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hami-usage aggregate: Kafka: "), last
+    assert "MessageSizeTooLarge" in last, last
+    # (its start commits where it begins; nothing after that)
+    committed = asyncio.run(committed_metadata(kafka_bootstrap, group))
+    assert {p: offset for p, (offset, _) in committed.items()} == {0: 0}

@@ -704,6 +704,10 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     sent.append(
                         await producer.send(settings.billing_topic, value, key=key, headers=headers)
                     )
+                # A batch the broker refuses for good (records over the topic's
+                # max.message.bytes) fails its own records only, and the transaction would
+                # commit the offsets without them: every record is delivered first.
+                await asyncio.gather(*sent)
                 await producer.send_offsets_to_transaction(offsets, settings.group)
                 await producer.commit_transaction()
             except BaseException as exc:
