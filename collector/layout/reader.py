@@ -378,11 +378,12 @@ def _within_contents(
     an all-zero slot below `proc_num` is either the exit marker of a process that exited before
     it had a host pid or any memory (pid and status 0, its counters untouched: all zero), or a
     sign that the count is garbled. The count is the writer's, and every empty slot below it an
-    exit marker, when its last slot holds something, or when it is `counted`: the count of this
-    file's last snapshot that took it for the writer's (an exit never changes the count, so a
-    CUDA probe that ended last leaves its marker as the last counted slot, under the count seen
-    while it ran). Otherwise the count is taken for garbled and the slots end at the first
-    empty one: what lies beyond is not the file's real contents, at most stale copies."""
+    exit marker, when its last slot holds something, or when it is `counted` (the count of this
+    file's last snapshot that took it for the writer's) or rose from it by empty slots only: an
+    exit never changes the count, so a CUDA probe that ended last leaves its marker as the last
+    counted slot (`_counted`). Otherwise the count is taken for garbled and the slots end at
+    the first empty one: what lies beyond is not the file's real contents, at most stale
+    copies."""
     for n, (k, raw) in enumerate(slots):
         if _empty(raw):
             if not _empty(slots[-1][1]) or _counted(slots, proc_num, counted):

@@ -256,7 +256,7 @@ class Repeats:
         return say
 
 
-def retrieve_error(fut: asyncio.Future[Any]) -> None:
+def _retrieve(fut: asyncio.Future[Any]) -> None:
     """A done callback for a delivery future whose error is reported another way: taken, so
     asyncio does not log it as never retrieved, with a traceback, once per record."""
     if not fut.cancelled():
@@ -440,7 +440,7 @@ class KafkaForwarder:
             # (the rest of the batch fails too, with this error)
             for fut in futures:
                 if fut is not None:
-                    fut.add_done_callback(retrieve_error)
+                    fut.add_done_callback(_retrieve)
             await self._drop_producer()
         done = acked - self._offset
         if self.failed_batches == failures and failures:  # (a whole batch sent)
