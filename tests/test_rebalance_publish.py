@@ -8,6 +8,7 @@ to take a partition during it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ from streams import (
     WINDOW,
     build,
     create_topic,
+    csv_lines,
     produce,
     read_billing,
+    read_csv,
     recent_t0,
     reference,
     replica,
@@ -31,7 +34,6 @@ from collector.aggregate import service
 from collector.aggregate.damage import CheckpointError
 from collector.aggregate.service import AggregateSettings, run_kafka
 from collector.transport import consumer as consumer_module
-from collector.transport.fenced_offsets import GroupMembershipLost
 
 pytestmark = pytest.mark.kafka
 
@@ -136,37 +138,52 @@ def test_a_commit_held_past_the_rebalance_timeout_is_refused_not_billed_twice(
     """ "a"'s first transaction with records is held longer than the rebalance timeout (8 s
     here, 120 s in service) while "b" joins: the group drops a and gives b every partition
     with the offsets from before a's transaction. a's offsets then name a member the group no
-    longer has, and the coordinator refuses them: a's transaction is aborted (its replica
-    stops with GroupMembershipLost) and b bills every window once. With aiokafka's own
-    TxnOffsetCommit (v0, no member) a's transaction committed: 80 records twice."""
+    longer has, and the coordinator refuses them: a's transaction is aborted, the records it
+    had written to its file are cut back, and a rejoins the group and goes on; every window
+    is billed once, on the topic and across the two files. With aiokafka's own TxnOffsetCommit
+    (v0, no member) a's transaction committed: 80 records twice."""
     monkeypatch.setattr(consumer_module, "REBALANCE_TIMEOUT_MS", 8_000)
     msgs = build(tmp_path / "nodes", recent_t0(300))
+    group = f"{kafka_topic}.g"
 
-    async def scenario() -> BaseException | None:
-        a, b, stop, _ = await a_held_while_b_joins(
+    async def scenario() -> list[str]:
+        a, b, stop, over = await a_held_while_b_joins(
             kafka_bootstrap, kafka_topic, tmp_path, monkeypatch, msgs, 20.0
         )
-        await asyncio.wait([a], timeout=60)
-        await asyncio.sleep(3)  # b catches up on what it was given
+        await over.wait()
+        deadline = time.monotonic() + 60
+        while "this replica rejoins the group" not in caplog.text:
+            assert time.monotonic() < deadline and not a.done(), caplog.text[-3000:]
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(8)  # a rejoins, the two share the partitions and catch up
         stop.set()
-        error, _ = await asyncio.gather(a, b, return_exceptions=True)
+        await asyncio.gather(a, b)
+        # what the two files hold when both have stopped: what they committed
+        files = read_csv(tmp_path / "a.csv") + read_csv(tmp_path / "b.csv")
+        billed = await read_billing(kafka_bootstrap, f"{kafka_topic}.billing")
+        assert sorted(files) == sorted(csv_lines(billed)), "the files differ from the topic"
         await drain_once_empty(kafka_bootstrap, kafka_topic, tmp_path)
-        return error if isinstance(error, BaseException) else None
+        return files
 
-    error = asyncio.run(scenario())
+    with caplog.at_level(logging.INFO):
+        files = asyncio.run(scenario())
     # (read as soon as the drain ends: a's abort ended its transaction; had it been left to
     # time out, the drain's records would not be readable yet)
     billed_once(kafka_bootstrap, kafka_topic, msgs)
-    assert isinstance(error, GroupMembershipLost), repr(error)
-    group = f"{kafka_topic}.g"
+    assert len(files) == len(set(files)), f"{len(files) - len(set(files))} CSV lines twice"
+    (line,) = [r.getMessage() for r in caplog.records if "rejoins the group" in r.getMessage()]
     # Refused by the coordinator, or (once aiokafka has learnt that the group dropped the
     # member) before it is asked.
+    assert line.startswith("GroupMembershipLost: "), line
     assert (
-        f"group {group} refused the offsets of {kafka_topic} partition" in str(error)
-        or f"group {group} dropped this replica" in str(error)
-    ), str(error)
-    assert "is no longer in the group)" in str(error)
-    assert str(error).endswith(": the transaction is aborted, the partitions' new owner bills them")
+        f"group {group} refused the offsets of {kafka_topic} partition" in line
+        or f"group {group} dropped this replica" in line
+    ), line
+    assert "is no longer in the group)" in line
+    assert line.endswith(
+        ": the transaction is aborted, the partitions' new owner bills them; this replica "
+        "rejoins the group"
+    ), line
     assert "never retrieved" not in caplog.text  # the one line, no asyncio traceback
 
 

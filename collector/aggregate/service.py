@@ -182,6 +182,9 @@ class Outputs:
     # this replica never committed its lengths (or, with --parquet, its part count): commit
     # them at once
     first_start: bool = False
+    # the last commit (its checkpoint, to cut back to) and the records written by then:
+    # `rewind` goes back to it
+    kept: tuple[Checkpoint | None, int] = (None, 0)
 
     @classmethod
     def open(
@@ -198,6 +201,7 @@ class Outputs:
         to as they are."""
         out = cls(instance=instance)
         out.open_files(csv, jsonl, resume, parquet)
+        out.kept = resume, 0
         if otlp:
             from .otlp import OtlpExporter
 
@@ -251,6 +255,19 @@ class Outputs:
         self.csv = self.jsonl = self.parquet = None
         if failure is not None:
             raise failure
+
+    def committed(self) -> None:
+        """The transaction with this replica's lengths (`checkpoint`) has committed."""
+        if self.instance in self.replicas:
+            self.kept = Checkpoint(replicas=dict(self.replicas)), self.written
+
+    def rewind(self) -> None:
+        """Back to the last commit, after a transaction that failed once the files were
+        written: each file cut back to its length then, as a restart would cut it."""
+        resume, self.written = self.kept
+        paths = [None if s is None else str(s.path) for s in (self.csv, self.jsonl, self.parquet)]
+        self.close_files()
+        self.open_files(paths[0], paths[1], resume, paths[2])
 
     def write(self, records: list[BillingRecord]) -> None:
         for sink in (self.csv, self.jsonl, self.parquet):
@@ -564,7 +581,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     from aiokafka.structs import OffsetAndMetadata
 
     from ..transport.consumer import ConsumerSettings, make_consumer
-    from ..transport.fenced_offsets import commit_offsets_as_member
+    from ..transport.fenced_offsets import GroupMembershipLost, commit_offsets_as_member
     from ..transport.kafka import delivery_error, wait_for_broker
 
     assert settings.kafka is not None
@@ -666,18 +683,23 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 raise task.exception()  # type: ignore[misc]
         return all(task.done() for task in placing)
 
+    def forget(tp: TopicPartition) -> None:
+        """`tp` leaves this replica, what it read since the last commit with it (the next
+        owner reads it again from there); what its aggregator counted stays counted (`Tally`)."""
+        agg = aggs.pop(tp, None)
+        if agg is not None:
+            tally.revoke(agg, tp.partition)
+        positions.pop(tp, None)
+        ends.pop(tp, None)
+        silence.forget(tp)
+        last_polled.pop(tp, None)
+
     class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
             await unplace()  # (an assignment not positioned yet goes with it)
             async with publishing:
                 for tp in revoked:
-                    agg = aggs.pop(tp, None)
-                    if agg is not None:
-                        tally.revoke(agg, tp.partition)
-                    positions.pop(tp, None)
-                    ends.pop(tp, None)
-                    silence.forget(tp)
-                    last_polled.pop(tp, None)
+                    forget(tp)
 
         async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
             # aiokafka already hands out records of the new partitions while this runs; the
@@ -723,6 +745,23 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                     # failed (a partition refused to it): the records before say why.
                     raise delivery_error(sent) or exc from None
                 raise
+
+    async def commit(outputs: Outputs, records: list[BillingRecord]) -> bool:
+        """`publish`; False if the group had dropped this replica meanwhile (a session that ran
+        out while the process was stopped, a commit held past the rebalance timeout). Its
+        transaction is aborted; what it wrote since its last commit is cut back and its
+        partitions are let go, as a restart would: the rebalance that follows (aiokafka rejoins
+        the group) places what the group gives it from the group's checkpoint."""
+        try:
+            await publish(outputs, records)
+        except GroupMembershipLost as exc:
+            log.warning("%s; this replica rejoins the group", exc)
+            outputs.rewind()
+            for tp in list(aggs):
+                forget(tp)
+            return False
+        outputs.committed()
+        return True
 
     outputs: Outputs | None = None
     raising = False
@@ -775,7 +814,7 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             # This replica's (or the group's) first start: commit where its files stand now,
             # so a crash before the first window closes cuts back to here rather than
             # appending twice.
-            await publish(outputs, [])
+            await commit(outputs, [])
         last_commit = time.monotonic()
         while not stopping.is_set():
             settings.liveness.beat()
@@ -814,7 +853,8 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             watch.check(aggs.values())
             due = records or done or time.monotonic() - last_commit > COMMIT_INTERVAL_S
             if due and aggs:  # a replica with nothing assigned has nothing to commit
-                await publish(outputs, records)
+                if not await commit(outputs, records):
+                    continue
                 outputs.export(records, list(aggs.values()))
                 last_commit = time.monotonic()
             if done:
