@@ -186,6 +186,10 @@ AGGREGATE = [
         ["--billing-topic", "hami.usage.v1"],
         "invalid setting billing_topic: 'hami.usage.v1' is the usage topic (topic) too",
     ),  # fmt: skip
+    (  # it read the topic and left the log, or the other way round, unsaid
+        ["--kafka", "localhost:9"],
+        "--log reads the local log and --kafka the usage topic: give one of them",
+    ),  # fmt: skip
     (["--csv", "{dir}"], "--csv {dir}: is a directory"),
     (["--jsonl", "/sys/x.jsonl"], "--jsonl /sys/x.jsonl: cannot write: Permission denied"),
     (
@@ -279,6 +283,23 @@ def test_replay_checks_its_outputs_and_numbers(paths: dict[str, str], tmp_path: 
     assert_one_line(proc, "hami-usage replay: invalid setting max_gap: Expected `float` <= "
                           "604800.0")  # fmt: skip
     assert not Path(csv).exists()
+
+
+def test_replay_refuses_a_log_beside_a_broker_from_the_environment(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    span = ["--from", "2024-01-01T00:00Z", "--to", "2024-01-02T00:00Z"]
+    csv = str(tmp_path / "out.csv")
+    proc = run("replay", "--log", paths["log"], *span, "--csv", csv, cwd=tmp_path,
+               extra_env={"HAMI_USAGE_KAFKA": "localhost:9"})  # fmt: skip
+    assert_one_line(
+        proc, "hami-usage replay: --log reads the local log and --kafka the usage topic: "
+        "give one of them"
+    )  # fmt: skip
+    assert not Path(csv).exists()
+    # the environment's broker alone is read, the flag's log alone too (no broker at :9)
+    proc = run("replay", "--log", paths["log"], *span, "--csv", csv, cwd=tmp_path)
+    assert (proc.returncode, Path(csv).exists()) == (0, True), proc.stderr
 
 
 @pytest.mark.parametrize("command", ["aggregate", "replay", "report"])
@@ -689,9 +710,9 @@ def test_a_bad_topics_table_is_the_running_commands_error(
     topics: an error there is theirs, not `hami-usage topics:`'s."""
     config = tmp_path / "c.toml"
     config.write_text("[topics]\nusage_partitions = 0\n")
-    where = ["--root", paths["root"]] if command == "collect" else []
-    proc = run(command, "--config", str(config), "--kafka", "127.0.0.1:9", "--log", paths["log"],
-               *where, cwd=tmp_path)  # fmt: skip
+    where = ["--root", paths["root"], "--log", paths["log"]] if command == "collect" else []
+    proc = run(command, "--config", str(config), "--kafka", "127.0.0.1:9", *where,
+               cwd=tmp_path)  # fmt: skip
     assert_one_line(
         proc, f"hami-usage {command}: invalid setting usage_partitions: Expected `int` >= 1"
     )

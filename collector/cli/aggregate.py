@@ -14,7 +14,7 @@ from ..transport.locallog.checkpoint import CONSUMERS_DIR, GROUP_NAME, GroupInUs
 from .args import Command, UsageError, iso_ms, switch
 from .kafka import kafka_flags, kafka_security, run_kafka, start_logging
 from .replay import REPLAY_FLAGS
-from .settings import load_settings
+from .settings import load_settings, one_source
 from .topics import topic_plan
 from .windowing import (
     accept_damaged_flag,
@@ -94,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..transport.http import ListenError
 
     cfg = load_settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
+    one_source("aggregate", args, cfg.kafka)
     check_outputs("aggregate", cfg)
     settings = AggregateSettings(
         window=window_settings(cfg),

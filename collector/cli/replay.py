@@ -11,7 +11,7 @@ from pathlib import Path
 from ..config import ReplayConfig
 from .args import Command, UsageError, iso_ms
 from .kafka import KAFKA_FLAGS, kafka_flags, reader, run_kafka, start_logging
-from .settings import load_settings
+from .settings import load_settings, one_source
 from .windowing import (
     accept_damaged_flag,
     check_outputs,
@@ -62,6 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..replay import ReplayRange, replay_kafka, replay_local
 
     cfg = load_settings(args, ReplayConfig, "replay", REPLAY_FLAGS)
+    one_source("replay", args, cfg.kafka)
     rng = ReplayRange(iso_ms("--from", args.from_), iso_ms("--to", args.to))
     if rng.to_ms <= rng.from_ms:
         raise UsageError("hami-usage replay: --to must be after --from")

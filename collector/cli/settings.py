@@ -26,6 +26,16 @@ def load_settings(args: argparse.Namespace, cls: type[C], section: str, names: l
         raise UsageError(f"hami-usage {section}: {exc}") from None
 
 
+def one_source(section: str, args: argparse.Namespace, kafka: str | None) -> None:
+    """`--log` on the command line with a broker to read (a flag, the config or the
+    environment): which one was meant is not known, and reading the other would go unnoticed."""
+    if args.log is not None and kafka:
+        raise UsageError(
+            f"hami-usage {section}: --log reads the local log and --kafka the usage topic: "
+            "give one of them"
+        )
+
+
 @contextmanager
 def machine(section: str) -> Iterator[None]:
     """Checks of the machine at start (outputs writable, roots allowed): each failure is one
