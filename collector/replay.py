@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .aggregate.intake import InputStats, add_record
 from .aggregate.records import BillingRecord, record_order
-from .aggregate.service import TAIL_SETTLE_S, Checkpoint, Outputs, read_damage
+from .aggregate.service import TAIL_SETTLE_S, Checkpoint, Outputs, read_damage, report
 from .aggregate.windows import Aggregator, WindowSettings
 from .transport.consumer import ConsumerSettings, read_range
 from .transport.locallog import LogReader
@@ -156,10 +156,20 @@ class Replay:
         outputs.write(self._kept)
         return self.stats
 
+    def summary(self, written: int) -> str:
+        """The summary line, as `aggregate`'s: the counts are of everything read, the
+        lookback before the range included."""
+        future: dict[str, int] = {}
+        for agg in self._aggs.values():
+            for node, n in agg.future_by_node.items():
+                future[node] = future.get(node, 0) + n
+        counted = [agg.stats for agg in self._aggs.values()]
+        return report("replay", self.stats, counted, future, written)
+
 
 def replay_local(
     log_dir: Path, window: WindowSettings, rng: ReplayRange, csv: str | None, jsonl: str | None
-) -> tuple[int, InputStats]:
+) -> tuple[str, InputStats]:
     reader, first, lost = _local(log_dir, replay_start_ms(window, rng))
     replay = Replay(reader.end_offset() - first, window, rng)
     position, at_end = first, False
@@ -187,7 +197,7 @@ def replay_local(
         stats = replay.finish(outputs)
     finally:
         outputs.close()
-    return outputs.written, stats
+    return replay.summary(outputs.written), stats
 
 
 async def replay_kafka(
@@ -197,7 +207,7 @@ async def replay_kafka(
     rng: ReplayRange,
     csv: str | None,
     jsonl: str | None,
-) -> tuple[int, InputStats]:
+) -> tuple[str, InputStats]:
     async with read_range(source, topic, replay_start_ms(window, rng)) as reading:
         replay = Replay(reading.total, window, rng)
         start = replay_start_ms(window, rng)
@@ -211,4 +221,4 @@ async def replay_kafka(
         stats = replay.finish(outputs)
     finally:
         outputs.close()
-    return outputs.written, stats
+    return replay.summary(outputs.written), stats

@@ -546,14 +546,11 @@ def hami(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess
     )
 
 
-_FINAL = re.compile(r"aggregate: (\d+) records(.*)$")
-
-
-def final_report(stderr: str) -> tuple[int, dict[str, int]]:
-    """(records written, counters) from the service's last `aggregate: ...` log line."""
-    lines = [ln for ln in stderr.splitlines() if "aggregate: " in ln]
+def final_report(stderr: str, command: str = "aggregate") -> tuple[int, dict[str, int]]:
+    """(records written, counters) from the last `aggregate: ...` (`command`) summary line."""
+    lines = [ln for ln in stderr.splitlines() if f"{command}: " in ln]
     assert lines, stderr[-3000:]
-    m = _FINAL.search(lines[-1])
+    m = re.search(rf"{command}: (\d+) records(.*)$", lines[-1])
     assert m, lines[-1]
     # the damage summary follows after "; "; per-node counts follow theirs in parentheses
     counted = re.sub(r" \([^)]*\)", "", m.group(2).split(";")[0])

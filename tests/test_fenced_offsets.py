@@ -15,10 +15,15 @@ import asyncio
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 from streams import create_topic
 
-from collector.transport.fenced_offsets import GroupMembershipLost, commit_offsets_as_member
+from collector.transport.fenced_offsets import (
+    GroupMembershipLost,
+    InstanceFenced,
+    commit_offsets_as_member,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -89,3 +94,59 @@ def test_a_replica_the_empty_group_dropped_commits_nothing(
     assert isinstance(error, GroupMembershipLost), repr(error)
     assert f"group {group} dropped this replica (its session or a rebalance ran out" in str(error)
     assert asyncio.run(_committed(kafka_bootstrap, group, tp)) == 5
+
+
+def test_a_replica_whose_instance_joined_in_its_place_is_fenced_not_dropped(
+    kafka_bootstrap: str, kafka_topic: str
+) -> None:
+    """A second process with a replica's `instance` (a copied StatefulSet) joins in its place.
+    The first one's offsets are refused as `InstanceFenced`, not `GroupMembershipLost`: the
+    aggregator takes the latter for a membership it lost and rejoins, cutting its files back,
+    which two processes of one instance share."""
+    group = f"{kafka_topic}.g"
+    tp = TopicPartition(kafka_topic, 0)
+
+    def member() -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(
+            kafka_topic, bootstrap_servers=kafka_bootstrap, group_id=group,
+            group_instance_id=f"{group}-0", enable_auto_commit=False,
+        )  # fmt: skip
+
+    async def assigned(consumer: AIOKafkaConsumer) -> None:
+        async with asyncio.timeout(60):
+            while not consumer.assignment():
+                await consumer.getmany(timeout_ms=200)
+
+    async def scenario() -> BaseException | None:
+        await create_topic(kafka_bootstrap, kafka_topic, 1)
+        first, second = member(), member()
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=group)
+        await first.start()
+        await producer.start()
+        try:
+            await assigned(first)
+            commit_offsets_as_member(producer, first)
+            await second.start()
+            await assigned(second)
+            await producer.begin_transaction()
+            try:
+                await producer.send_offsets_to_transaction({tp: OffsetAndMetadata(3, "")}, group)
+                await producer.commit_transaction()
+            except KafkaError as exc:
+                await producer.abort_transaction()
+                return exc
+            return None
+        finally:
+            await producer.stop()
+            await second.stop()
+            await first.stop()
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, InstanceFenced), repr(error)
+    assert not isinstance(error, GroupMembershipLost)
+    assert str(error) == (
+        f"InstanceFenced: group {group} refused the offsets of {kafka_topic} partition 0 "
+        f"(FENCED_INSTANCE_ID: another process of instance {group}-0 is in the group in this "
+        "one's place): the transaction is aborted, the partitions' new owner bills them"
+    )
+    assert asyncio.run(_committed(kafka_bootstrap, group, tp)) is None

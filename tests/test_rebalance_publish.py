@@ -20,6 +20,7 @@ from streams import (
     build,
     create_topic,
     csv_lines,
+    final_report,
     produce,
     read_billing,
     read_csv,
@@ -185,6 +186,13 @@ def test_a_commit_held_past_the_rebalance_timeout_is_refused_not_billed_twice(
         "rejoins the group"
     ), line
     assert "never retrieved" not in caplog.text  # the one line, no asyncio traceback
+    # Each replica's summary counts the records it handed out once: a's aborted ones were
+    # handed out again after it rejoined.
+    summaries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("aggr")]
+    assert len(summaries) == 3, summaries  # a, b, the drain
+    for summary in summaries:
+        written, counters = final_report(summary)
+        assert counters.get("records", 0) == written, summary
 
 
 def test_a_drain_that_gains_a_partition_reads_it_to_its_end(

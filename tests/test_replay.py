@@ -46,14 +46,20 @@ def in_range(lines: list[str], t0: int, first: int, end: int) -> list[str]:
     return [ln for ln in lines if ln.split(",", 1)[0] in starts]
 
 
-def replay(source: list[str], t0: int, first: int, end: int, out: Path) -> list[str]:
+def replay(
+    source: list[str], t0: int, first: int, end: int, out: Path
+) -> tuple[list[str], dict[str, int]]:
+    """The lines replayed, and the counters of replay's summary line."""
     proc = hami(
         "replay", *source, *WINDOW_FLAGS, "--csv", out,
         "--from", iso_utc(t0 + first * MIN), "--to", iso_utc(t0 + end * MIN),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.startswith("replay: "), proc.stderr
-    return read_csv(out)
+    lines = read_csv(out)
+    written, counters = final_report(proc.stderr, "replay")
+    assert written == len(lines)
+    return lines, counters
 
 
 def live_local(tmp_path: Path, msgs: list[Msg]) -> tuple[list[str], dict[str, int]]:
@@ -69,10 +75,13 @@ def check_local(tmp_path: Path, msgs: list[Msg], expected: list[str]) -> dict[st
     live, counters = live_local(tmp_path, msgs)
     assert live == expected
     for first, end in RANGES:
-        got = replay(["--log", str(tmp_path / "log")], T0_MS, first, end, tmp_path / "r.csv")
+        src = ["--log", str(tmp_path / "log")]
+        got, counted = replay(src, T0_MS, first, end, tmp_path / "r.csv")
         want = in_range(live, T0_MS, first, end)
         assert want, (first, end)
         assert got == want, (first, end)  # byte-identical lines, in the same order
+        if (first, end) == (0, 6):  # everything: read and counted as the live run did
+            assert counted == counters
     return counters
 
 
@@ -106,18 +115,21 @@ def check_kafka(
         "--csv", csv, "--drain",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    counters = final_report(proc.stderr)[1]
     live = read_csv(csv)
     # One aggregator per partition: lines of one batch come from all of them, so the order
     # across nodes may differ from the reference; the lines may not.
     assert sorted(live) == sorted(expected)
     for first, end in RANGES:
         src = ["--kafka", bootstrap, "--topic", topic]
-        got = replay(src, t0, first, end, tmp_path / "r.csv")
+        got, counted = replay(src, t0, first, end, tmp_path / "r.csv")
         want = in_range(live, t0, first, end)
         assert want, (first, end)
         assert sorted(got) == sorted(want), (first, end)  # byte-identical lines
         assert got == sorted(got, key=lambda ln: ln.split(",")[:6])  # replay sorts them
-    return final_report(proc.stderr)[1]
+        if (first, end) == (0, 6):
+            assert counted == counters
+    return counters
 
 
 @pytest.mark.kafka

@@ -264,8 +264,9 @@ def test_an_aggregator_stopped_longer_than_idle_bills_what_came_meanwhile(
         until(lambda: len(window_ends(out)) >= closed + 3, aggregate, 60)
     finally:
         stderr = stop(collect, aggregate, w)
-    _, counters = final_report(stderr)
+    written, counters = final_report(stderr)
     assert counters.get("late_events", 0) == 0, counters
+    assert counters.get("records", 0) == written, counters  # each handed out once
     # Stopped past its session, the replica was dropped from its group; it rejoined and went
     # on from its checkpoint (a commit it tried before it rejoined was refused, most often,
     # and what that one wrote to the file was cut back).

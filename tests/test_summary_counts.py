@@ -80,25 +80,35 @@ def _input(tmp_path: Path) -> list[Record]:
 
 
 def _read(
-    records: list[Record], revoke_after: set[int], batch: int = 300
+    records: list[Record],
+    revoke_after: set[int],
+    batch: int = 300,
+    abort_after: frozenset[int] = frozenset(),
 ) -> tuple[list[BillingRecord], Tally, list[int]]:
     """The service's loop on one partition: a batch, then a close and a commit; after the
     batches in `revoke_after` the partition is revoked and assigned back, read again from its
-    commit. Also the offsets read again each time."""
+    commit. The commits after the batches in `abort_after` are refused (a membership lost):
+    their records are dropped and the partition read again from the commit before. Also the
+    offsets read again each time."""
     tally = Tally(WINDOW, InputStats())
     agg = tally.aggregator(0, 0)
     out: list[BillingRecord] = []
     again: list[int] = []
     pos = batches = 0
+    committed = emitted = 0
     while pos < len(records):
         chunk = records[pos : pos + batch]
         tally.add(agg, 0, chunk)
         pos += len(chunk)
-        out += agg.advance()
-        committed, emitted = agg.needed_offsets().get(0, pos), agg.emitted_until_ms
+        handed = agg.advance()
         batches += 1
-        if batches in revoke_after:
-            tally.revoke(agg, 0)
+        aborted = batches in abort_after
+        if not aborted:
+            out += handed
+            committed, emitted = agg.needed_offsets().get(0, pos), agg.emitted_until_ms
+            tally.committed([(0, agg)])
+        if aborted or batches in revoke_after:  # read again from the last commit
+            (tally.abort if aborted else tally.revoke)(agg, 0)
             tally.input.damage.forget_source(0)
             agg = tally.aggregator(0, emitted)
             again.append(pos - committed)
@@ -129,6 +139,20 @@ def test_records_read_again_after_a_rebalance_count_once(
     assert tally.gone_future == whole.gone_future == {"node-a": 1}
     assert (tally.input.undecodable, tally.input.unknown_schema) == (1, 1)
     assert tally.input.damage.counts() == whole.input.damage.counts() == (0, 0, 0, 0, 1, 1)
+
+
+@pytest.mark.parametrize("abort_after", [{2}, {3, 4}, {1, 5}])
+def test_records_of_an_aborted_commit_count_once(tmp_path: Path, abort_after: set[int]) -> None:
+    """A commit refused (the group dropped the replica): the records it carried are handed out
+    again from the commit before, and counted then: every counter, `records` among them, as
+    one uninterrupted read counts it (with `revoke`, the aborted records counted twice)."""
+    records = _input(tmp_path)
+    once, whole, _ = _read(records, set())
+    got, tally, again = _read(records, {6}, abort_after=frozenset(abort_after))
+    assert len(again) == len(abort_after) + 1 and min(again) > 0
+    assert got == once
+    assert tally.gone == whole.gone
+    assert tally.gone.records == len(once)
 
 
 def test_a_window_closed_again_counts_nothing_and_bills_the_same(tmp_path: Path) -> None:
@@ -189,21 +213,15 @@ def test_a_head_gap_taken_back_by_a_read_again_stays_taken_back() -> None:
     assert (damage.seq_gaps, damage.seq_missing, damage.line()) == (0, 0, "damage: none")
 
 
-def _settings() -> AggregateSettings:
-    return AggregateSettings(
-        window=WINDOW, kafka=None, topic="t", billing_topic="b", group="g", log_dir=Path(".")
-    )
-
-
 def test_the_summary_line_names_the_nodes_whose_events_came_from_the_future() -> None:
     st = AggregateStats(events=30, future_events=27)
     by_node = {"n1": 2, "n2": 9, "n3": 9, "n4": 1, "n5": 3, "n6": 2, "n7": 1}
-    assert report(_settings(), [st], by_node, 0) == (
+    assert report("aggregate", InputStats(), [st], by_node, 0) == (
         "aggregate: 0 records events=30 future_events=27 "
         "(n2=9 n3=9 n5=3 n1=2 n6=2 and 2 more nodes); damage: none"
     )
-    few = report(_settings(), [AggregateStats(future_events=3)], {"b": 1, "a": 2}, 4)
-    assert few == "aggregate: 4 records future_events=3 (a=2 b=1); damage: none"
+    few = report("replay", InputStats(), [AggregateStats(future_events=3)], {"b": 1, "a": 2}, 4)
+    assert few == "replay: 4 records future_events=3 (a=2 b=1); damage: none"
 
 
 def test_a_node_ahead_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:

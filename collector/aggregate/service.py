@@ -260,6 +260,7 @@ class Outputs:
         """The transaction with this replica's lengths (`checkpoint`) has committed."""
         if self.instance in self.replicas:
             self.kept = Checkpoint(replicas=dict(self.replicas)), self.written
+            self.first_start = False
 
     def rewind(self) -> None:
         """Back to the last commit, after a transaction that failed once the files were
@@ -393,7 +394,8 @@ FUTURE_NODES_SHOWN: Final = 5
 
 
 def report(
-    settings: AggregateSettings,
+    command: str,
+    read: InputStats,
     stats: Iterable[AggregateStats],
     future_by_node: Mapping[str, int],
     written: int,
@@ -410,10 +412,9 @@ def report(
         if v:
             by_node = _by_node(future_by_node) if k == "future_events" else ""
             parts.append(f"{k}={v}{by_node}")
-    s = settings.stats
-    if s.undecodable or s.unknown_schema:
-        parts.append(f"undecodable={s.undecodable} unknown_schema={s.unknown_schema}")
-    line = "aggregate: " + " ".join(parts) + "; " + s.damage.line()
+    if read.undecodable or read.unknown_schema:
+        parts.append(f"undecodable={read.undecodable} unknown_schema={read.unknown_schema}")
+    line = f"{command}: " + " ".join(parts) + "; " + read.damage.line()
     return line if otlp is None else f"{line}; {otlp.summary()}"
 
 
@@ -566,7 +567,8 @@ async def _run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Ou
         try:
             outputs.close(after_error=raising)  # (the last OTLP push, which the line counts)
         finally:
-            line = report(settings, [agg.stats], agg.future_by_node, outputs.written, outputs.otlp)
+            counted = [agg.stats], agg.future_by_node, outputs.written, outputs.otlp
+            line = report("aggregate", settings.stats, *counted)
             log.info("%s", line)
     return outputs
 
@@ -683,12 +685,13 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 raise task.exception()  # type: ignore[misc]
         return all(task.done() for task in placing)
 
-    def forget(tp: TopicPartition) -> None:
+    def forget(tp: TopicPartition, aborted: bool = False) -> None:
         """`tp` leaves this replica, what it read since the last commit with it (the next
-        owner reads it again from there); what its aggregator counted stays counted (`Tally`)."""
+        owner reads it again from there); what its aggregator counted stays counted (`Tally`),
+        but for the records of an `aborted` transaction."""
         agg = aggs.pop(tp, None)
         if agg is not None:
-            tally.revoke(agg, tp.partition)
+            (tally.abort if aborted else tally.revoke)(agg, tp.partition)
         positions.pop(tp, None)
         ends.pop(tp, None)
         silence.forget(tp)
@@ -758,9 +761,10 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             log.warning("%s; this replica rejoins the group", exc)
             outputs.rewind()
             for tp in list(aggs):
-                forget(tp)
+                forget(tp, aborted=True)
             return False
         outputs.committed()
+        tally.committed((tp.partition, agg) for tp, agg in aggs.items())
         return True
 
     outputs: Outputs | None = None
@@ -810,14 +814,14 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
             await asyncio.sleep(0.05)
         if failed:
             raise failed[0]
-        if outputs.first_start and aggs:
-            # This replica's (or the group's) first start: commit where its files stand now,
-            # so a crash before the first window closes cuts back to here rather than
-            # appending twice.
-            await commit(outputs, [])
         last_commit = time.monotonic()
         while not stopping.is_set():
             settings.liveness.beat()
+            # This replica's (or the group's) first start: commit where its files stand now,
+            # before anything is written, so a crash before the first window closes cuts back
+            # to here rather than appending twice (tried again after a refusal).
+            if outputs.first_start and aggs and not await commit(outputs, []):
+                continue
             batch = await consumer.getmany(timeout_ms=500, max_records=5000)
             for tp, msgs in batch.items():
                 agg = aggs.get(tp)
@@ -870,7 +874,8 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 outputs.close(after_error=raising)  # (the last OTLP push, which the line counts)
             finally:
                 counted = tally.stats(aggs.values()), tally.future_by_node(aggs.values())
-                log.info("%s", report(settings, *counted, outputs.written, outputs.otlp))
+                line = report("aggregate", settings.stats, *counted, outputs.written, outputs.otlp)
+                log.info("%s", line)
         await consumer.stop()
         await unplace()  # (one its last join started)
         await producer.stop()

@@ -19,6 +19,7 @@ from typing import Any
 
 from .intake import InputStats, add_kafka_records
 from .windows import AggregateStats, Aggregator, WindowSettings
+from .windows.stats import OUTPUT_COUNTS
 
 __all__ = ["Tally"]
 
@@ -31,9 +32,12 @@ class Tally:
         self.gone_future: dict[str, int] = {}
         self.read_to: dict[int, int] = {}  # per partition: the offset after the last one read
         self.closed_to: dict[int, int] = {}  # per partition: the end of the windows closed
+        # per partition: what its aggregator had handed out (`OUTPUT_COUNTS`) at its last commit
+        self.handed: dict[int, dict[str, int]] = {}
 
     def aggregator(self, partition: int, emitted_until_ms: int) -> Aggregator:
         """A partition's aggregator at its assignment."""
+        self.handed.pop(partition, None)
         return Aggregator(
             self.window,
             emitted_until_ms=emitted_until_ms,
@@ -63,6 +67,18 @@ class Tally:
         closed = agg.closed_until_ms
         if closed is not None:
             self.closed_to[partition] = max(closed, self.closed_to.get(partition, closed))
+
+    def committed(self, live: Iterable[tuple[int, Aggregator]]) -> None:
+        """The records the (partition, aggregator) pairs handed out are committed."""
+        for partition, agg in live:
+            self.handed[partition] = {n: getattr(agg.stats, n) for n in OUTPUT_COUNTS}
+
+    def abort(self, agg: Aggregator, partition: int) -> None:
+        """`revoke` after a transaction that was aborted: the records `agg` handed out since its
+        last commit are handed out again by the partition's next aggregator, and count there."""
+        for name in OUTPUT_COUNTS:
+            setattr(agg.stats, name, self.handed.get(partition, {}).get(name, 0))
+        self.revoke(agg, partition)
 
     def stats(self, live: Iterable[Aggregator]) -> list[AggregateStats]:
         return [self.gone, *(agg.stats for agg in live)]

@@ -73,18 +73,14 @@ def _run(args: argparse.Namespace) -> int:
     start_logging(logging.WARNING)
     source = reader(cfg, "replay", cfg.kafka)
     if source is not None:
-        written, stats = run_kafka(
+        line, stats = run_kafka(
             "replay", replay_kafka(source, cfg.topic, window, rng, cfg.csv, cfg.jsonl)
         )
     else:
         if not Path(cfg.log).is_dir():
             raise UsageError(f"hami-usage replay: --log {cfg.log}: not a directory")
-        written, stats = replay_local(Path(cfg.log), window, rng, cfg.csv, cfg.jsonl)
-    print(
-        f"replay: {written} records; undecodable={stats.undecodable} "
-        f"unknown_schema={stats.unknown_schema}; {stats.damage.line()}",
-        file=sys.stderr,
-    )
+        line, stats = replay_local(Path(cfg.log), window, rng, cfg.csv, cfg.jsonl)
+    print(line, file=sys.stderr)
     return damage_exit("replay", stats.damage, cfg.accept_damaged, True)
 
 

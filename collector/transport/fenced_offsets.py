@@ -30,7 +30,7 @@ from aiokafka.protocol.types import Int16, Int32, Int64, Schema
 
 from .flexible import STRING, TAGS, per_partition
 
-__all__ = ["GroupMembershipLost", "Membership", "commit_offsets_as_member"]
+__all__ = ["GroupMembershipLost", "InstanceFenced", "Membership", "commit_offsets_as_member"]
 
 # Kafka's error codes for a commit by a member the group does not have (now)
 _NOT_A_MEMBER = {22: "ILLEGAL_GENERATION", 25: "UNKNOWN_MEMBER_ID", 82: "FENCED_INSTANCE_ID"}
@@ -43,6 +43,12 @@ class GroupMembershipLost(KafkaError):  # type: ignore[misc]
     """The group coordinator refused this replica's transactional offsets: the group gave its
     partitions to another member while the transaction was in flight. The transaction is
     aborted; the partitions' new owner publishes their records."""
+
+
+class InstanceFenced(KafkaError):  # type: ignore[misc]
+    """The group coordinator refused this replica's transactional offsets because another
+    process with its group instance id (its `instance`: a copied StatefulSet) has joined in its
+    place. The transaction is aborted; this one must stop, not rejoin."""
 
 
 class _TxnOffsetCommitResponseV3(Response):  # type: ignore[misc]
@@ -134,16 +140,21 @@ class _Handler(TxnOffsetCommitHandler):  # type: ignore[misc]
         return result
 
     def _refused(self, partition: str, error: str) -> None:
-        generation, member, _instance = self._member
+        generation, member, instance = self._member
+        refused = f"group {self._group_id} refused the offsets of {partition}"
+        if error == "FENCED_INSTANCE_ID":
+            self.refuse(
+                f"{refused} ({error}: another process of instance {instance} is in the group "
+                "in this one's place)",
+                InstanceFenced,
+            )
+            return
         # (aiokafka forgets a member the coordinator no longer knows before it rejoins)
         who = f"member {member} of generation {generation}" if member else "this replica"
-        self.refuse(
-            f"group {self._group_id} refused the offsets of {partition} ({error}: {who} is "
-            "no longer in the group)"
-        )
+        self.refuse(f"{refused} ({error}: {who} is no longer in the group)")
 
-    def refuse(self, why: str) -> None:
-        """Fail the transaction as `GroupMembershipLost` (`why`, then what follows)."""
+    def refuse(self, why: str, error: type[KafkaError] = GroupMembershipLost) -> None:
+        """Fail the transaction as `error` (`why`, then what follows)."""
         txn = self._sender._txn_manager
         # aiokafka forgets on an error what the transaction holds, and its abort then sends
         # nothing: the records would stay pending on the broker (every read_committed reader
@@ -151,9 +162,7 @@ class _Handler(TxnOffsetCommitHandler):  # type: ignore[misc]
         # the abort ends it.
         holds, group = set(txn.txn_partitions), txn._txn_consumer_group
         txn.error_transaction(
-            GroupMembershipLost(
-                f"{why}: the transaction is aborted, the partitions' new owner bills them"
-            )
+            error(f"{why}: the transaction is aborted, the partitions' new owner bills them")
         )
         txn.txn_partitions.update(holds)
         txn._txn_consumer_group = group
