@@ -48,9 +48,9 @@ def named(value: Any) -> Any:
 
 def to_json(payload: bytes) -> bytes:
     """One raw message value as a JSON object (no newline); ValueError when it is neither."""
-    if payload[:1] == b"{":
-        return _encoder.encode(decode_billing(payload))
-    if payload[:1] in _MSGPACK_MAPS:  # (events are arrays: the billing record's error says why)
+    # (events are msgpack arrays: a JSON object or a msgpack map is a billing record, and its
+    # error says why it is not one)
+    if payload[:1] == b"{" or payload[:1] in _MSGPACK_MAPS:
         try:
             return _encoder.encode(decode_billing(payload))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -147,3 +147,14 @@ def test_a_msgpack_map_that_is_no_billing_record_says_why_as_one() -> None:
         "hami-usage decode: message 1: not a billing record: Object missing required field "
         "`kind`\nhami-usage decode: 0 decoded, 1 undecodable\n"
     )
+
+
+def test_a_json_value_that_is_no_billing_record_says_what_it_is_not() -> None:
+    """A JSON billing value cut short: the line said only "Input data was truncated"."""
+    cut = msgspec.json.encode(record())[:40]
+    rc, objects, err = run(framed([cut, msgspec.json.encode(record())]))
+    assert (rc, len(objects)) == (1, 1)
+    assert err == (
+        "hami-usage decode: message 1: not a billing record: Input data was truncated\n"
+        "hami-usage decode: 1 decoded, 1 undecodable\n"
+    )
