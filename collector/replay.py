@@ -21,6 +21,7 @@ from pathlib import Path
 from .aggregate.intake import InputStats, add_record
 from .aggregate.records import BillingRecord, record_order
 from .aggregate.service import TAIL_SETTLE_S, Checkpoint, Outputs, read_damage, report
+from .aggregate.tally import future_by_node
 from .aggregate.windows import Aggregator, WindowSettings
 from .transport.consumer import ConsumerSettings, read_range
 from .transport.locallog import LogReader
@@ -159,12 +160,8 @@ class Replay:
     def summary(self, written: int) -> str:
         """The summary line, as `aggregate`'s: the counts are of everything read, the
         lookback before the range included."""
-        future: dict[str, int] = {}
-        for agg in self._aggs.values():
-            for node, n in agg.future_by_node.items():
-                future[node] = future.get(node, 0) + n
         counted = [agg.stats for agg in self._aggs.values()]
-        return report("replay", self.stats, counted, future, written)
+        return report("replay", self.stats, counted, future_by_node(self._aggs.values()), written)
 
 
 def replay_local(

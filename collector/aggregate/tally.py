@@ -21,7 +21,7 @@ from .intake import InputStats, add_kafka_records
 from .windows import AggregateStats, Aggregator, WindowSettings
 from .windows.stats import OUTPUT_COUNTS
 
-__all__ = ["Tally"]
+__all__ = ["Tally", "future_by_node"]
 
 
 class Tally:
@@ -84,8 +84,15 @@ class Tally:
         return [self.gone, *(agg.stats for agg in live)]
 
     def future_by_node(self, live: Iterable[Aggregator]) -> dict[str, int]:
-        total = dict(self.gone_future)
-        for agg in live:
-            for node, n in agg.future_by_node.items():
-                total[node] = total.get(node, 0) + n
-        return total
+        return future_by_node(live, self.gone_future)
+
+
+def future_by_node(
+    aggs: Iterable[Aggregator], before: dict[str, int] | None = None
+) -> dict[str, int]:
+    """The events refused as from the future per node, of `aggs` (and `before`) together."""
+    total = dict(before or {})
+    for agg in aggs:
+        for node, n in agg.future_by_node.items():
+            total[node] = total.get(node, 0) + n
+    return total
