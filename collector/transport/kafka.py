@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -122,11 +123,17 @@ class UnreadKafkaErrors(logging.Filter):
     every record, batch and waiter in it, and asyncio logs each that nobody read as 'never
     retrieved', with a traceback, when it is freed (a fenced producer: three after the
     command's own line). The error reaches our code through the call that failed, which says
-    it once; these copies of it are dropped."""
+    it once; these copies of it are dropped.
+
+    A TLS connection's error (a broker that refuses our certificate after the handshake)
+    also lands in the stream's `closed` future, which asyncio marks read only when the
+    stream is freed before it; freed together in one garbage collection, it is logged. aiokafka
+    hands the same error to the connection's requests as a KafkaConnectionError's cause."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, KafkaError) and "never retrieved" in str(record.msg))
+        unread = "never retrieved" in str(record.msg)
+        return not (unread and isinstance(exc, KafkaError | ssl.SSLError))
 
 
 class BrokerUnreachable(Exception):
