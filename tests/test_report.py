@@ -38,6 +38,7 @@ from collector.aggregate.records import (
     BillingRecord,
     csv_header,
     csv_row,
+    from_msgpack,
     iso_ms,
     jsonl_line,
     make_record_id,
@@ -851,24 +852,27 @@ def _csv_text(records: list[BillingRecord]) -> str:
 
 OUT_OF_RANGE = f"a number outside [0, {(1 << 63) - 1}] (seconds in milli-units)"
 NOT_FINITE = "allocated_gpu_seconds is not a finite number"
+KIND_NOT_KNOWN = "kind 'bogus' is not one of node, gpu, idle, container"
 
 
 @pytest.mark.parametrize(
-    "cell, message",
+    "column, cell, message",
     [
-        ("nan", NOT_FINITE),
-        ("inf", NOT_FINITE),
-        ("-Infinity", NOT_FINITE),
-        ("1e400", OUT_OF_RANGE),  # a traceback from Arrow's cast to integer milliseconds
-        ("1e999999999", OUT_OF_RANGE),
-        ("-60.000", OUT_OF_RANGE),  # a negative bill, exit 0
+        ("allocated_gpu_seconds", "nan", NOT_FINITE),
+        ("allocated_gpu_seconds", "inf", NOT_FINITE),
+        ("allocated_gpu_seconds", "-Infinity", NOT_FINITE),
+        # a traceback from Arrow's cast to integer milliseconds
+        ("allocated_gpu_seconds", "1e400", OUT_OF_RANGE),
+        ("allocated_gpu_seconds", "1e999999999", OUT_OF_RANGE),
+        ("allocated_gpu_seconds", "-60.000", OUT_OF_RANGE),  # a negative bill, exit 0
+        ("kind", "bogus", KIND_NOT_KNOWN),  # dropped from every total, exit 0
     ],
 )
-def test_a_csv_number_no_record_can_hold_is_one_line_and_exit_1(
-    tmp_path: Path, cell: str, message: str
+def test_a_csv_value_no_record_can_hold_is_one_line_and_exit_1(
+    tmp_path: Path, column: str, cell: str, message: str
 ) -> None:
     rows = [csv_row(r) for r in _window("GPU-1")]
-    rows[1][list(CSV_FIELDS).index("allocated_gpu_seconds")] = cell
+    rows[1][list(CSV_FIELDS).index(column)] = cell
     path = tmp_path / "in.csv"
     with path.open("w", newline="") as f:
         csv.writer(f, lineterminator="\n").writerows([csv_header(), *rows])
@@ -916,7 +920,59 @@ def test_jsonl_records_from_before_kinds_and_allocation_are_refused(tmp_path: Pa
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
 
 
+def _jsonl_of(tmp_path: Path, change: Any) -> Path:
+    """A JSONL file of a window's records, the first changed by `change(obj)`."""
+    lines = [msgspec.json.decode(jsonl_line(r)) for r in _window("GPU-1")]
+    change(lines[0])
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(x) + b"\n" for x in lines))
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # a version 2 record without its version's field: billed as 0 reserved-idle, exit 0
+        (lambda x: x.update(version=2) or x.pop("reserved_idle_gpu_seconds"),
+         "Object missing required field "
+         "`reserved_idle_gpu_seconds`"),
+        # a field every version carries: the record was billed with samples 0, exit 0
+        (lambda x: x.update(version=2) or x.pop("samples"),
+         "Object missing required field `samples`"),
+        (lambda x: x.update(version=3), "version 3 is not one of 1 to 2"),
+        (lambda x: x.update(version=0), "version 0 is not one of 1 to 2"),
+        # beyond int64: a traceback from Arrow (OverflowError)
+        (lambda x: x.update(version=2**63), f"version {2**63} is not one of 1 to 2"),
+        # a kind no writer sends: the record was dropped from the bill unsaid
+        (lambda x: x.update(kind="bogus"), KIND_NOT_KNOWN),
+    ],
+    ids=["v2-without-reserved-idle", "without-samples", "version-3", "version-0",
+         "version-2**63", "unknown-kind"],
+)  # fmt: skip
+def test_a_jsonl_record_its_writer_could_not_have_sent_is_one_line_and_exit_1(
+    tmp_path: Path, change: Any, message: str
+) -> None:
+    path = _jsonl_of(tmp_path, change)
+    proc = hami("report", *SPAN, "--jsonl", path)
+    expected = f"hami-usage report: {path}:1: not a billing record: {message}\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+
+
+def test_a_billing_message_is_checked_against_its_version_as_a_line_is() -> None:
+    record = msgspec.structs.replace(_window("GPU-1")[0], version=2)
+    as_map = msgspec.structs.asdict(record)
+    assert from_msgpack(msgspec.msgpack.encode(as_map)) == record
+    del as_map["reserved_idle_gpu_seconds"]
+    with pytest.raises(msgspec.ValidationError, match="`reserved_idle_gpu_seconds`"):
+        from_msgpack(msgspec.msgpack.encode(as_map))
+    as_map["version"] = 1  # a version 1 record did not carry it
+    assert from_msgpack(msgspec.msgpack.encode(as_map)).reserved_idle_gpu_seconds == 0
+    with pytest.raises(ValueError, match=KIND_NOT_KNOWN):
+        from_msgpack(msgspec.msgpack.encode({**as_map, "kind": "bogus"}))
+
+
 NULL = "allocated_gpu_seconds is null"
+LABELS = pa.map_(pa.string(), pa.string())
 RESERVED_IDLE_NULL = "reserved_idle_gpu_seconds is null"
 
 
@@ -950,10 +1006,16 @@ def _damaged_parquet(pipeline: Path, tmp_path: Path, column: str, values: pa.Arr
         ("namespace", pa.array([None], pa.string()), "namespace is null"),
         # a version 2 record measured it: null only where the version predates the field
         ("reserved_idle_gpu_seconds", pa.array([None], pa.float64()), RESERVED_IDLE_NULL),
+        ("version", pa.array([2, 3], pa.int64()), "a version not one of 1 to 2"),
+        ("version", pa.array([0], pa.int64()), "a version not one of 1 to 2"),
+        ("kind", pa.array(["bogus"]), "a kind not one of node, gpu, idle, container"),
+        # a TypeError from the bill, or a line of team "(unnamed)"
+        ("labels", pa.array([[("team", None)]], LABELS), "a label's value is null"),
     ],
     ids=[
         "nan", "inf", "-inf", "negative", "1e300", "above-2**63-milli", "null", "inf-observed",
-        "negative-memory", "null-string", "null-v2-reserved-idle",
+        "negative-memory", "null-string", "null-v2-reserved-idle", "version-3", "version-0",
+        "unknown-kind", "null-label-value",
     ],
 )  # fmt: skip
 def test_a_parquet_number_no_record_can_hold_is_one_line_and_exit_1(

@@ -14,6 +14,7 @@ import msgspec
 
 from ..events import JSON_SCHEMA_DIALECT, too_deep
 from .records import (
+    KINDS,
     RECORD_MAX,
     RECORD_VERSION,
     SINCE_VERSION,
@@ -61,6 +62,7 @@ def json_schema() -> dict[str, Any]:
     record["required"] = [f for f in BillingRecord.__struct_fields__ if f not in SINCE_VERSION]
     record["additionalProperties"] = False
     record["properties"]["version"] = {"type": "integer", "minimum": 1, "maximum": RECORD_VERSION}
+    record["properties"]["kind"]["enum"] = list(KINDS)
     record["allOf"] = [
         {
             "if": {"properties": {"version": {"minimum": v}}},

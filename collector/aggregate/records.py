@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import re
-import typing
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Final
 
@@ -193,20 +193,38 @@ def iso_utc(ms: int) -> str:
 _msgpack_encoder: Final = msgspec.msgpack.Encoder()
 _msgpack_decoder: Final = msgspec.msgpack.Decoder(BillingRecord)
 
-# The fields every record version carries (all but `version` and what a later version added),
-# none with a default: a record that lacks one of them was written before kinds and allocation
-# (the first records), a format no report can bill, and a CSV without their columns is refused
-# too. Only a record that reads as version 1 is checked against it.
-_CARRIED: Final = msgspec.defstruct(
-    "CarriedByEveryVersion",
-    [
-        (f, t)
-        for f, t in typing.get_type_hints(BillingRecord).items()
-        if f not in SINCE_VERSION and f != "version"
-    ],
-)
-_carried_json: Final = msgspec.json.Decoder(_CARRIED)
-_carried_msgpack: Final = msgspec.msgpack.Decoder(_CARRIED)
+
+# The fields a record of each version carries, none with a default: every writer sends them
+# all, so a record that lacks one was cut, hand-made or written before kinds and allocation (the
+# first records), and a report would bill its defaults (0) as measured; a CSV without their
+# columns is refused too. `version` itself may be missing (records before versions: 1).
+def _carried(version: int) -> type[msgspec.Struct]:
+    fields = [
+        (f, msgspec.Raw)  # present is all it checks: the values were decoded as the record's
+        for f in BillingRecord.__struct_fields__
+        if f != "version" and SINCE_VERSION.get(f, 1) <= version
+    ]
+    return msgspec.defstruct(f"CarriedByVersion{version}", fields)
+
+
+_CARRIED: Final = {v: _carried(v) for v in range(1, RECORD_VERSION + 1)}
+_carried_json: Final = {v: msgspec.json.Decoder(t).decode for v, t in _CARRIED.items()}
+_carried_msgpack: Final = {v: msgspec.msgpack.Decoder(t).decode for v, t in _CARRIED.items()}
+
+
+def _whole(
+    record: BillingRecord, payload: bytes, decoders: Mapping[int, Callable[[bytes], object]]
+) -> BillingRecord:
+    """`record` if it is one its writer could have sent: a version this reader knows, every
+    field of that version, a known kind; else ValueError (a msgspec.ValidationError naming
+    the missing field)."""
+    decode = decoders.get(record.version)
+    if decode is None:
+        raise ValueError(f"version {record.version} is not one of 1 to {RECORD_VERSION}")
+    decode(payload)
+    if record.kind not in KINDS:
+        raise ValueError(f"kind {record.kind!r} is not one of {', '.join(KINDS)}")
+    return record
 
 
 def in_bounds(record: BillingRecord) -> bool:
@@ -241,10 +259,7 @@ def to_msgpack(record: BillingRecord) -> bytes:
 
 
 def from_msgpack(payload: bytes) -> BillingRecord:
-    record = _msgpack_decoder.decode(payload)
-    if record.version < RECORD_VERSION:
-        _carried_msgpack.decode(payload)
-    return record
+    return _whole(_msgpack_decoder.decode(payload), payload, _carried_msgpack)
 
 
 # --- CSV -----------------------------------------------------------------------------------
@@ -345,10 +360,7 @@ _json_decoder: Final = msgspec.json.Decoder(BillingRecord)
 def from_json(payload: bytes) -> BillingRecord:
     """The record of a JSON object (a billing message's value, a JSON Lines line); extra keys
     (a line's `window_start`/`window_end`) are skipped."""
-    record = _json_decoder.decode(payload)
-    if record.version < RECORD_VERSION:
-        _carried_json.decode(payload)
-    return record
+    return _whole(_json_decoder.decode(payload), payload, _carried_json)
 
 
 def jsonl_line(record: BillingRecord) -> bytes:

@@ -21,6 +21,7 @@ import msgspec
 from ..aggregate.columns import to_table
 from ..aggregate.records import (
     CSV_FIELDS,
+    KINDS,
     RECORD_MAX,
     RECORD_VERSION,
     SINCE_VERSION,
@@ -94,7 +95,10 @@ def _csv_record(row: dict[str | None, Any]) -> BillingRecord:
             obj[name] = text == "true"
         elif name in CSV_FIELDS:
             obj[name] = text
-    return checked(msgspec.convert(obj, BillingRecord))
+    record = msgspec.convert(obj, BillingRecord)
+    if record.kind not in KINDS:  # (the JSON and msgpack codecs check it as they decode)
+        raise ValueError(f"kind {record.kind!r} is not one of {', '.join(KINDS)}")
+    return checked(record)
 
 
 def _read_csv(path: Path) -> Iterator[BillingRecord]:
@@ -200,6 +204,18 @@ def _any(mask: pa.Array | pa.ChunkedArray) -> bool:
     return result is True
 
 
+def _null_label(labels: pa.Array | pa.ChunkedArray) -> bool:
+    """Whether a map of `labels` has a null value (a record's labels are strings; its key
+    cannot be null in Parquet)."""
+    import pyarrow as pa
+
+    for chunk in labels.chunks if isinstance(labels, pa.ChunkedArray) else [labels]:
+        first, last = chunk.offsets[0].as_py(), chunk.offsets[-1].as_py()
+        if chunk.items.slice(first, last - first).null_count:  # (`items` ignores a slice)
+            return True
+    return False
+
+
 def _parquet_check(batch: pa.RecordBatch) -> str | None:
     """Why `batch` holds a number no record can, as `checked` says it; None if it holds none.
     Null is what a missing column reads as: allowed only for a field a record of its version
@@ -221,6 +237,12 @@ def _parquet_check(batch: pa.RecordBatch) -> str | None:
             nulls = pc.and_(nulls, pc.greater_equal(version, SINCE_VERSION[name]))
         if _any(nulls):
             return f"{name} is null"
+    if "labels" in names and _null_label(batch.column("labels")):
+        return "a label's value is null"
+    if _any(pc.or_(pc.less(version, 1), pc.greater(version, RECORD_VERSION))):
+        return f"a version not one of 1 to {RECORD_VERSION}"
+    if "kind" in names and _any(pc.invert(pc.is_in(batch.column("kind"), pa.array(KINDS)))):
+        return f"a kind not one of {', '.join(KINDS)}"
     numbers = [n for n in names if n in _DECIMALS or (n in _INT and n != "version")]
     for name in numbers:
         if name in _DECIMALS and _any(pc.invert(pc.is_finite(batch.column(name)))):
