@@ -645,6 +645,24 @@ def test_report_refuses_an_output_that_is_one_of_its_inputs(
     assert os.listdir(tmp_path / "pq" / "day=2024-01-01") == []
 
 
+@pytest.mark.parametrize("output", ["--out-csv", "--html"])
+@pytest.mark.parametrize("source", ["--prices", "--config"])
+def test_report_refuses_to_write_its_bill_over_its_prices_or_settings(
+    tmp_path: Path, source: str, output: str
+) -> None:
+    """`--prices p.toml --out-csv p.toml` replaced the prices with the bill, exit 0."""
+    (tmp_path / "in").write_text("x\n")
+    text = {"--prices": 'default = 1.20\n', "--config": "[report]\n"}[source]
+    (tmp_path / "s.toml").write_text(text)
+    (tmp_path / "link").symlink_to("s.toml")
+    proc = run("report", *REPORT_SPAN, "--csv", "in", source, "s.toml", output, "./link",
+               cwd=tmp_path)  # fmt: skip
+    same = f"{source} s.toml and {output} ./link are the same file"
+    assert_one_line(proc, f"hami-usage report: {same}")
+    assert (tmp_path / "s.toml").read_text() == text
+    assert sorted(os.listdir(tmp_path)) == ["in", "link", "s.toml"]
+
+
 SASL = [
     "aggregate", "--kafka", "127.0.0.1:9", "--kafka-security-protocol", "SASL_SSL",
     "--kafka-sasl-mechanism", "PLAIN", "--kafka-username", "u", "--kafka-password-file",

@@ -77,11 +77,15 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"hami-usage report: {exc}") from None
     cfg = load_settings(args, KafkaClientConfig, "report", KAFKA_FLAGS)
     with machine("report"):  # before the records are read, not after
-        # An output that is an input replaced the billing records with the bill (exit 0), and
-        # an input given twice is billed twice: every file is a different one.
+        # An output that is an input replaced the billing records (or the prices, or the
+        # settings) with the bill, exit 0, and an input given twice is billed twice: every file
+        # is a different one.
         outputs = [(f"--{n.replace('_', '-')}", getattr(args, n)) for n in ("out_csv", "html")]
         outputs = [(flag, value) for flag, value in outputs if value]
         inputs = [(f"--{n}", v) for n in ("csv", "jsonl") for v in getattr(args, n) or []]
+        inputs += [
+            (f"--{n}", str(getattr(args, n))) for n in ("prices", "config") if getattr(args, n)
+        ]
         check.distinct_files(inputs + outputs)
         if args.parquet:
             check.outside_folder(outputs, "--parquet", args.parquet)
