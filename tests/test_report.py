@@ -667,16 +667,27 @@ def test_report_of_a_missing_file_is_one_line(tmp_path: Path) -> None:
         ("--jsonl", "folder", "is a directory"),
         ("--csv", "/dev/null", "not a regular file"),
         ("--csv", "fifo", "not a regular file"),
+        # a Parquet part that is a FIFO blocked the report for good
+        ("--parquet", "fifo-part", "not a regular file"),
+        ("--parquet", "folder-part", "is a directory"),
     ],
 )
 def test_report_of_an_input_that_is_no_regular_file_says_what_it_is(
     tmp_path: Path, flag: str, kind: str, why: str
 ) -> None:
     """Each was "no such file", of a file that is there."""
-    path = {"folder": tmp_path, "/dev/null": Path("/dev/null"), "fifo": tmp_path / "f"}[kind]
-    if kind == "fifo":
+    day = tmp_path / "pq" / "day=2026-01-01"
+    path = {
+        "folder": tmp_path, "/dev/null": Path("/dev/null"), "fifo": tmp_path / "f",
+        "fifo-part": day / "part-0.parquet", "folder-part": day / "part-0.parquet",
+    }[kind]  # fmt: skip
+    day.mkdir(parents=True)
+    if kind.startswith("fifo"):
         os.mkfifo(path)
-    proc = hami("report", *SPAN, flag, path, timeout=60)
+    elif kind == "folder-part":
+        path.mkdir()
+    given = tmp_path / "pq" if flag == "--parquet" else path
+    proc = hami("report", *SPAN, flag, given, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         1,
         "",
@@ -1096,8 +1107,18 @@ def test_many_small_parts_give_the_same_bill_as_few(pipeline: Path, tmp_path: Pa
     )
 
 
-def test_a_range_of_centuries_reads_the_day_folders_there_are(pipeline: Path) -> None:
-    wide = ["--from", "1970-01-01T00:00:00Z", "--to", "9999-12-31T00:00:00Z"]
+@pytest.mark.parametrize(
+    "start, end",
+    [
+        ("1970-01-01T00:00:00Z", "9999-12-31T00:00:00Z"),
+        # beyond the years a day folder names: a traceback (year 0, year 10000 out of range)
+        ("0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59.999-14:00"),
+    ],
+)
+def test_a_range_of_centuries_reads_the_day_folders_there_are(
+    pipeline: Path, start: str, end: str
+) -> None:
+    wide = ["--from", start, "--to", end]
     out = pipeline / "wide.csv"
     proc = hami("report", *wide, "--prices", pipeline / "prices.toml", "--out-csv", out,
                 "--parquet", pipeline / "pq", "--by", "pod")  # fmt: skip
