@@ -623,6 +623,24 @@ def test_a_damaged_billing_csv_is_one_line_and_exit_1(
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
 
 
+@pytest.mark.parametrize("cut", [1, 3])
+def test_a_csv_cut_inside_its_last_field_is_one_line_and_exit_1(tmp_path: Path, cut: int) -> None:
+    """The last field, `reserved_idle_gpu_seconds` 0.000, cut to "0.0" (or "0.00") is a valid
+    number: the record was billed. Only the missing line end shows the cut."""
+    text = _csv_text(_window("GPU-1"))
+    path = tmp_path / "in.csv"
+    path.write_text(text[:-cut])
+    proc = hami("report", *SPAN, "--csv", path)
+    line = text.count("\n")
+    expected = (
+        f"hami-usage report: {path}:{line}: not a billing record: the file ends inside the row "
+        "(no line end: cut off)\n"
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+    path.write_text(text.replace("\n", "\r\n"))  # a line end of another system
+    assert hami("report", *SPAN, "--csv", path).returncode == 0
+
+
 @pytest.mark.parametrize(
     "header, message",
     [

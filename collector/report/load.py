@@ -112,12 +112,27 @@ def _read_csv(path: Path) -> Iterator[BillingRecord]:
                     yield _csv_record(row)
                 except (ValueError, TypeError, msgspec.ValidationError, msgspec.DecodeError) as e:
                     raise LoadError(f"{path}:{rows.line_num}: not a billing record: {e}") from None
+            # Every row is written with its line end: a last row without one was cut inside
+            # its last field ("12.345" read as 12.3), which no other check can see.
+            if rows.line_num > 1 and not _ends_a_line(f):
+                raise LoadError(
+                    f"{path}:{rows.line_num}: not a billing record: the file ends inside the row "
+                    "(no line end: cut off)"
+                )
     except UnicodeDecodeError:  # the bytes are not shown: one line, whatever they are
         raise LoadError(f"{path}: not a billing record CSV: not UTF-8 text") from None
     except csv.Error as e:
         raise LoadError(f"{path}: not a billing record CSV: {e}") from None
     except OSError as e:
         raise LoadError(f"{path}: {e.strerror}") from None
+
+
+def _ends_a_line(f: typing.TextIO) -> bool:
+    """Whether the file `f` (read to its end) ends with a line end."""
+    raw = f.buffer
+    size = raw.seek(0, os.SEEK_END)
+    raw.seek(size - 1)
+    return bool(raw.read(1) in (b"\n", b"\r"))
 
 
 def _billing_header(path: Path, names: typing.Sequence[str]) -> None:
