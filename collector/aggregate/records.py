@@ -38,6 +38,7 @@ __all__ = [
     "in_bounds",
     "iso_ms",
     "iso_utc",
+    "TimeOutOfRange",
     "jsonl_line",
     "make_record_id",
     "record_order",
@@ -160,6 +161,15 @@ def make_record_id(
 
 
 _EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+# The times a record's ISO text can name: four-digit UTC years.
+FIRST_MS: Final = -62_135_596_800_000  # 0001-01-01T00:00:00Z
+LAST_MS: Final = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
+
+
+class TimeOutOfRange(ValueError):
+    """An ISO-8601 time that lies beyond the UTC years 0001 to 9999."""
+
+
 _FRACTION: Final = re.compile(r"[.,](\d+)")
 
 
@@ -177,7 +187,14 @@ def iso_ms(text: str) -> int:
     fraction = _FRACTION.search(text)
     if fraction is not None and fraction.group(1)[6:].strip("0"):
         us += 1
-    return -(-us // 1000)
+    ms = -(-us // 1000)
+    # An offset takes a time up to a day beyond the years datetime and a day folder name,
+    # where every later use of it (a chart's axis, a folder's name) fails.
+    if ms < FIRST_MS:
+        raise TimeOutOfRange("before 0001-01-01T00:00:00Z")
+    if ms > LAST_MS:
+        raise TimeOutOfRange("after 9999-12-31T23:59:59.999Z")
+    return ms
 
 
 def iso_utc(ms: int) -> str:

@@ -78,10 +78,13 @@ def switch(p: argparse._ActionsContainer, flag: str, help: str, *, negatable: bo
 def iso_ms(flag: str, text: str, command: str = "replay") -> int:
     """A flag's ISO-8601 time as epoch milliseconds (`records.iso_ms`: UTC without an offset,
     a time within a millisecond the next one)."""
+    from ..aggregate.records import TimeOutOfRange
     from ..aggregate.records import iso_ms as epoch_ms
 
     try:
         return epoch_ms(text)
+    except TimeOutOfRange as e:
+        raise UsageError(f"hami-usage {command}: {flag} {text!r}: {e}") from None
     except ValueError:
         raise UsageError(
             f"hami-usage {command}: {flag} {text!r}: not an ISO-8601 time"

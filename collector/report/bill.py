@@ -25,21 +25,21 @@ __all__ = ["Bill", "Line", "make_bill", "model_name", "money", "part_name", "to_
 GIB: Final = 1 << 30
 
 
+def _rounded(x: Fraction, places: int) -> Decimal:
+    """`x` half-even to `places` decimals (Python's round of a Fraction is half-even), from
+    text: exact at any size (Decimal arithmetic rounds to the context's 28 digits, and its
+    quantize beyond them raises)."""
+    return Decimal(f"{round(x * 10**places)}e-{places}")
+
+
 def money(x: Fraction) -> Decimal:
-    """Half-even to the cent (Python's round of a Fraction is half-even)."""
-    return _in_cents(round(x * 100))
-
-
-def _in_cents(cents: int) -> Decimal:
-    # From text: exact at any size (Decimal arithmetic would round to the context's 28 digits).
-    return Decimal(f"{cents}e-2")
+    """Half-even to the cent."""
+    return _rounded(x, 2)
 
 
 def hours(ms: int | Fraction) -> Decimal:
     """GPU-hours shown with six decimals (3.6 ms); the sums behind them are exact."""
-    return (Decimal(round(Fraction(ms) * 1_000_000 / HOUR_MS)) / 1_000_000).quantize(
-        Decimal("0.000001")
-    )
+    return _rounded(Fraction(ms) / HOUR_MS, 6)
 
 
 def part_name(value: str) -> str:
@@ -76,7 +76,7 @@ class Line:
     def efficiency(self) -> Decimal | None:
         if not self.allocated_ms:
             return None
-        return (Decimal(self.used_ms) / Decimal(self.allocated_ms)).quantize(Decimal("0.0001"))
+        return _rounded(Fraction(self.used_ms, self.allocated_ms), 4)
 
 
 @dataclass
@@ -126,7 +126,8 @@ class Bill:
     @property
     def residue(self) -> Decimal:
         """Rounded total minus the sum of the rounded lines."""
-        return _in_cents(round(self.total * 100) - sum(round(x.cost * 100) for x in self.lines))
+        cents = round(self.total * 100) - sum(round(x.cost * 100) for x in self.lines)
+        return money(Fraction(cents, 100))
 
 
 def make_bill(summary: Summary, prices: Prices) -> Bill:
@@ -135,7 +136,7 @@ def make_bill(summary: Summary, prices: Prices) -> Bill:
     for k, (alloc, used, mem, ridle, unmeasured) in summary.groups.items():
         dims, model, ns, labels = k[:n], k[n], k[n + 1], k[n + 2 :]
         price = Fraction(prices.price(model))
-        factor = Fraction(prices.factor(ns, dict(zip(summary.label_keys, labels, strict=True))))
+        factor = prices.factor(ns, dict(zip(summary.label_keys, labels, strict=True)))
         list_cost = int(alloc) * price / HOUR_MS
         line = groups.get(dims)
         if line is None:

@@ -14,7 +14,7 @@ import typing
 from collections.abc import Iterable, Iterator
 from decimal import Decimal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -280,10 +280,6 @@ def _arrow_error(path: str, e: Exception) -> LoadError:
 
 
 _DAY = re.compile(r"day=\d{4}-\d{2}-\d{2}")
-# The days a folder can name (`day_of`: four-digit UTC years): a --from or --to beyond them (an
-# ISO time with an offset may be) reads the folders there are, as any other range does.
-_FIRST_DAY_MS: Final = -62_135_596_800_000  # 0001-01-01T00:00:00Z
-_LAST_DAY_MS: Final = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
 
 
 def from_parquet(
@@ -312,7 +308,7 @@ def from_parquet(
         return
     # The day folders there are, not every day of the range: `--from 1970-01-01` would
     # otherwise look for 20 000 folders.
-    first, last = day_of(max(from_ms, _FIRST_DAY_MS)), day_of(min(to_ms - 1, _LAST_DAY_MS))
+    first, last = day_of(from_ms), day_of(to_ms - 1)
     try:
         days = sorted(
             e.name

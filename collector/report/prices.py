@@ -22,6 +22,7 @@ import tomllib
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from fnmatch import fnmatchcase
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -123,16 +124,17 @@ class Prices:
                 return p
         return self.default
 
-    def factor(self, namespace: str, labels: dict[str, str]) -> Decimal:
-        """The product of (1 + adjustment) of the namespace and the labels that match."""
-        f = Decimal(1)
+    def factor(self, namespace: str, labels: dict[str, str]) -> Fraction:
+        """The product of (1 + adjustment) of the namespace and the labels that match, exact
+        (in Decimal's 28 digits, 1 + 1e-30 was 1)."""
+        f = Fraction(1)
         a = self.namespaces.get(namespace)
         if a is not None:
-            f *= 1 + a
+            f *= 1 + Fraction(a)
         for name, values in self.labels.items():
             v = labels.get(name)
             if v is not None and v in values:
-                f *= 1 + values[v]
+                f *= 1 + Fraction(values[v])
         return f
 
     @property
