@@ -94,3 +94,40 @@ def test_identity_events_heartbeats_deletion_and_allocation(tmp_path: Path) -> N
     assert stage.sent == {}
     for w in writers:
         w.close()
+
+
+def test_presence_by_processes_keeps_and_restates_the_identity_between_processes(
+    tmp_path: Path,
+) -> None:
+    """`presence = processes`: the container is absent while it has no process, and its file
+    still tracked. Its pod's identity was forgotten with the last process, so once the watch
+    had forgotten the (deleted) pod, the next process was billed with no namespace."""
+    root = tmp_path / "root"
+    writer = new_cache_file(root, POD_A, "main", V12, [SimDevice("GPU-a", 4 * GiB, 30)])
+    a = ident(POD_A, "ml", "trainer-5d8f7c9b4-x7k2p", team="vision")
+    view: dict[str, PodView] = {POD_A: view_of(a)}
+    stage = IdentityStage(lambda: view)
+    scanner = Scanner(root, heartbeat_s=10, inc=1, identity=stage, presence_policy="processes")
+    writer.add_process(101)
+    events = scanner.scan(now_ms=1_000)
+    assert [e.identity for e in events if isinstance(e, PodIdentity)] == [a]
+
+    writer.exit(101)  # absent: no process left
+    events = scanner.scan(now_ms=2_000)
+    assert [type(e).__name__ for e in events] == ["ProcessExited", "ContainerGone"]
+    view = {}  # the pod deleted, and forgotten by the watch
+    assert scanner.scan(now_ms=3_000) == []
+    assert stage.sent == {POD_A: a}
+
+    writer.add_process(102)  # present again: announced, and named, as before
+    events = scanner.scan(now_ms=4_000)
+    assert [type(e).__name__ for e in events][:2] == ["ContainerAppeared", "ProcessStarted"]
+    assert [e.identity for e in events if isinstance(e, PodIdentity)] == [a]
+    assert stage.unnamed == 0
+    (hb,) = [e for e in scanner.scan(now_ms=12_000) if isinstance(e, Heartbeat)]
+    assert hb.pods == [a]
+
+    shutil.rmtree(pod_dir(root, POD_A, "main"))  # no longer tracked: forgotten
+    scanner.scan(now_ms=13_000)
+    assert stage.sent == {}
+    writer.close()

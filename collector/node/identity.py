@@ -4,10 +4,11 @@ Runs in the scan (worker thread) after the diff. It reads the pod watch's view (
 by the watch, never mutated, so no lock) and emits
 
 * `PodIdentity` when the identity of a pod with a tracked container becomes known or changes;
-  the last one sent is kept while a container of the pod is tracked, also after the pod is
-  deleted or forgotten by the watch, and restated in every heartbeat, and when a container of
-  the pod is usable again after an unusable spell (announced again: heartbeats left it out, so
-  the aggregator may have forgotten the identity too);
+  the last one sent is kept while a container file of the pod is tracked (present or not:
+  `presence = processes` has it absent between processes), also after the pod is deleted or
+  forgotten by the watch, and restated in every heartbeat, and when a container of the pod is
+  usable again after an unusable spell or present again after an absence (announced again:
+  heartbeats left it out, so the aggregator may have forgotten the identity too);
 * `LayoutAnomaly(allocation_mismatch)` when HAMi's allocation annotation and the limits in the
   container's cache file disagree (or the annotation does not parse), once while it persists.
 """
@@ -32,6 +33,8 @@ class IdentityStage:
         self._alloc: dict[int, tuple[Any, Any, str | None]] = {}  # cid -> (view, devices, detail)
         self.unnamed = 0  # tracked containers whose pod is not known (gauge)
         self._unobserved: set[int] = set()  # cids unusable at the last scan
+        # cids tracked but not present at the last scan (presence = processes: no process)
+        self._absent: set[int] = set()
 
     def process(self, files: Iterable[FileState], stamp: Stamp) -> list[Event]:
         view = self._view()
@@ -39,17 +42,21 @@ class IdentityStage:
         pods: set[str] = set()
         cids: set[int] = set()
         unobserved: set[int] = set()
+        absent: set[int] = set()
         again: set[str] = set()  # pods restated this scan
         unnamed = 0
         for st in files:
-            if not st.appeared:
-                continue
             uid = st.pod_uid
-            pods.add(uid)
+            pods.add(uid)  # kept while tracked: a container without processes comes back
+            if not st.appeared:
+                absent.add(st.cid)
+                continue
             if st.unobserved:
                 unobserved.add(st.cid)
-            # usable again after an unusable spell: its pod's identity is restated with it
-            back = st.cid in self._unobserved and not st.unobserved and uid not in again
+            # usable again after an unusable spell, or present again after an absence (no
+            # heartbeat stated it meanwhile): its pod's identity is restated with it
+            back = st.cid in self._unobserved and not st.unobserved
+            back = (back or st.cid in self._absent) and uid not in again
             pv = view.get(uid)
             sent = self.sent.get(uid)
             identity = sent if pv is None else pv.identity  # kept after the pod is deleted
@@ -71,6 +78,7 @@ class IdentityStage:
             del self._alloc[cid]
         self.unnamed = unnamed
         self._unobserved = unobserved
+        self._absent = absent
         return events
 
     def _check(self, st: FileState, pv: PodView, stamp: Stamp, events: list[Event]) -> None:
