@@ -545,6 +545,78 @@ def test_sigkilled_slot_is_a_stale_process_once_and_an_exit(
     assert h.scan() == [stale(w, 3, 503), ev(ProcessExited, cid=0, pid=3, hostpid=503)]
 
 
+def test_a_slot_found_dead_stays_dead_from_the_second_scan_on(
+    root: Path, writers: list[CacheWriter], host_proc: Path
+) -> None:
+    """A slot first seen with its host pid gone (a collector restarted, or a container
+    restarted under a new cid, after the SIGKILL) was never judged dead: once the host gave
+    that pid to an unrelated process, its last counters were billed as a live process."""
+    w = make(writers, root, V12, devices=DEVICES[:1])
+    w.add_process(1, 501)
+    w.add_memory(1, 0, "data", GiB)  # SIGKILLed: its host pid 501 is gone
+    h = Harness(root, host_proc=host_proc)
+    assert h.scan()[1:] == [stale(w, 1, 501)]
+    assert h.scan() == []  # gone at a second scan, counters as they were: dead
+    (host_proc / "501").mkdir()  # the host reuses the pid for an unrelated process
+    assert h.scan() == []
+    w.add_memory(1, 0, "data", MiB)  # only the slot's own process writes its counters
+    assert h.scan() == [
+        ev(ProcessStarted, cid=0, pid=1, hostpid=501),
+        ev(UsageSample, cid=0, rows=[row(1, 501, 0, data=GiB + MiB)]),
+    ]
+
+
+def test_a_dead_slot_the_snapshot_hides_for_a_scan_stays_dead(
+    root: Path, writers: list[CacheWriter], host_proc: Path
+) -> None:
+    """Dead slots were remembered from the current snapshot only: hidden for one scan (here
+    past a lowered count, as compaction's first store leaves it), a dead slot came back
+    undecided, and live once the host reused its pid."""
+    w = make(writers, root, V12, devices=DEVICES[:1])
+    for pid in (1, 2):
+        (host_proc / str(500 + pid)).mkdir()
+        w.add_process(pid, 500 + pid)
+        w.add_memory(pid, 0, "data", pid * GiB)
+    h = Harness(root, host_proc=host_proc)
+    h.scan()
+    (host_proc / "502").rmdir()  # SIGKILL
+    assert h.scan() == [stale(w, 2, 502), ev(ProcessExited, cid=0, pid=2, hostpid=502)]
+    w.region.proc_num = 1  # slot 1 past the count for a scan
+    assert h.scan() == []
+    w.region.proc_num = 2
+    (host_proc / "502").mkdir()  # the host reuses the pid
+    assert h.scan() == [stale(w, 2, 502)]  # (it shows again: reported again, and not billed)
+    assert h.scan() == []
+
+
+def test_one_read_of_a_slot_half_moved_by_compaction_does_not_revive_a_dead_one(
+    root: Path, writers: list[CacheWriter], host_proc: Path
+) -> None:
+    """v1.1 has no slot seqlock: a read while compaction copies a dead slot into a hole shows
+    its pid with the hole's counters. That looked like its counters moving (a live process
+    under a stale host pid), and the dead slot was billed as live from then on."""
+    w = make(writers, root, LAYOUTS["v1.1"], devices=DEVICES[:1])
+    for pid in (1, 2, 3):
+        (host_proc / str(500 + pid)).mkdir()
+        w.add_process(pid, 500 + pid)
+        w.add_memory(pid, 0, "data", pid * 512 * MiB)
+    h = Harness(root, host_proc=host_proc)
+    h.scan()
+    (host_proc / "501").rmdir()  # both SIGKILLed
+    (host_proc / "503").rmdir()
+    assert h.scan() == [
+        stale(w, 1, 501), stale(w, 3, 503),
+        ev(ProcessExited, cid=0, pid=1, hostpid=501), ev(ProcessExited, cid=0, pid=3, hostpid=503),
+    ]  # fmt: skip
+    steps = w.compaction({1})  # pid 2 removes pid 1: the last slot (pid 3) moves into slot 0
+    assert [next(steps), next(steps)] == ["count", "identity"]
+    assert h.scan() == []  # pid 3 in slot 0, with pid 1's counters
+    for _ in steps:
+        pass
+    assert h.scan() == []
+    assert h.scan() == []
+
+
 def test_without_host_proc_a_killed_slot_stays_live(
     root: Path, writers: list[CacheWriter], host_proc: Path
 ) -> None:

@@ -25,6 +25,7 @@ from ..events import (
     UsageRow,
     UsageSample,
 )
+from ..layout.declarations import LAYOUTS, MAX_PROCS
 from ..layout.snapshot import Anomaly, Snapshot
 
 E = TypeVar("E", bound=Event)
@@ -64,10 +65,12 @@ class FileState:
     # proc_num): the next good scan restates every row, not only the changed ones, so values
     # that lapsed in the aggregator or changed unseen are billed again from then on.
     restate: bool = False
-    # --host-proc: usage counters of slots whose host pid is gone, as last seen, and the slots
-    # whose counters moved since (a live process the slot's host pid has not caught up with).
+    # --host-proc: usage counters of slots whose host pid is gone, as first seen so, and the
+    # slots whose counters moved since (a live process the slot's host pid has not caught up
+    # with).
     dead_rows: dict[ProcKey, list[UsageRow]] = field(default_factory=dict)
     vouched: set[ProcKey] = field(default_factory=set)
+    moving: set[ProcKey] = field(default_factory=set)  # counters unlike dead_rows at the last scan
     # Slots of processes seen alive, then judged dead: they stay dead until their counters
     # move, whatever /proc says of their host pid later (the host may give that pid to an
     # unrelated process).
@@ -124,24 +127,34 @@ def drop_dead_hosts(
     procs: dict[ProcKey, list[UsageRow]],
     host_proc: str,
     anomalies: list[Anomaly],
+    *,
+    seqlock: bool = True,
 ) -> None:
     """Remove from `procs` the slots whose process is dead by both accounts: its host pid is
     gone and its counters have not moved since the host pid was first seen gone. A restarted
     container's first process can reuse a slot (same container pid) before HAMi-core has
     replaced the slot's host pid, or never if the host-pid lookup times out: its counters move.
-    A slot whose process was live at the last scan and is judged dead now stays dead while its
-    counters stay as they were, even once its host pid is there again: a process's host pid
-    does not come back, the host reuses it for another process, and that one does not write the
-    slot's counters. A slot judged dead from its first scan on is not held to it: its host pid
-    may just not have been visible yet (a lookup that raced the process's start)."""
+
+    A slot is judged dead when its host pid is gone at a scan after one that saw it live or
+    saw it gone too; only at its first scan is it not held to it (its host pid may not have been
+    visible yet: a lookup that raced the process's start). Judged dead, it stays dead while its
+    counters stay as they were, even once its host pid is there again: a process's host pid does
+    not come back, the host reuses it for another process, and that one does not write the
+    slot's counters. Counters count as moved when they differ from those first seen with the
+    host pid gone; in a layout without a slot `seqlock`, at two scans in a row: one read of a
+    slot half-copied by compaction, which such a layout cannot tell (the seqlock layouts' read
+    leaves it out as torn), is not a move. A dead slot the snapshot does not
+    show (past a lowered count, torn, beyond a garbled one) is still dead when it shows again,
+    and so is a dead slot that compaction moved; at most `MAX_PROCS` are remembered a file."""
     dead_rows: dict[ProcKey, list[UsageRow]] = {}
     vouched: set[ProcKey] = set()
     dead: set[ProcKey] = set()
+    moving: set[ProcKey] = set()
     for key, rows in list(procs.items()):
         pid, hostpid = key
-        counters = _counters(rows)
         before = st.dead_rows.get(key)
-        moved = before is not None and _counters(before) != counters
+        differs = before is not None and _counters(before) != _counters(rows)
+        moved = differs and (seqlock or key in st.moving)
         if key in st.dead and not moved:
             pass  # dead already, and nothing wrote its counters since: dead still
         elif hostpid <= 0 or host_pid_alive(host_proc, hostpid):
@@ -151,13 +164,19 @@ def drop_dead_hosts(
             vouched.add(key)
             continue
         # SIGKILLed: the slot stays until a later process compacts; it uses nothing.
-        dead_rows[key] = rows
-        if key in st.procs or key in st.dead:
+        dead_rows[key] = rows if before is None else before
+        if differs:
+            moving.add(key)
+        if key in st.procs or key in st.dead or before is not None:
             dead.add(key)
         del procs[key]
         detail = f"pid {pid} (host pid {hostpid}) has a slot but no process"
         anomalies.append(Anomaly("stale_process", detail, value=hostpid))
-    st.dead_rows, st.vouched, st.dead = dead_rows, vouched, dead
+    for key in st.dead:
+        if key not in dead and key not in procs and len(dead) < MAX_PROCS:
+            dead.add(key)
+            dead_rows[key] = st.dead_rows[key]
+    st.dead_rows, st.vouched, st.dead, st.moving = dead_rows, vouched, dead, moving
 
 
 def end_all(st: FileState, stamp: Stamp, events: list[Event]) -> None:
@@ -170,6 +189,7 @@ def end_all(st: FileState, stamp: Stamp, events: list[Event]) -> None:
     st.dead_rows.clear()
     st.vouched.clear()
     st.dead.clear()
+    st.moving.clear()
 
 
 Presence = Literal["folder", "processes"]
@@ -212,7 +232,9 @@ def diff(
     anomalies = list(snap.anomalies)
     procs = live_procs(snap)
     if host_proc is not None:
-        drop_dead_hosts(st, procs, host_proc, anomalies)
+        layout = LAYOUTS.get(snap.layout or "")
+        seqlock = layout is None or layout.slot_seqlock is not None
+        drop_dead_hosts(st, procs, host_proc, anomalies, seqlock=seqlock)
     # A slot left out as torn_read is still there: the process last seen in it has not exited
     # (nor lost its rows), while every other process's exit goes out as usual. A garbled
     # proc_num shows the slots up to the first empty one, and maybe stale ones beyond the real
