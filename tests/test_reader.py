@@ -617,6 +617,31 @@ def test_truncated_v12(tmp_path: Path, keep: float) -> None:
     assert [d["uuid"] for d in doc["devices"]] == [UUID0, UUID1, UUID2, UUID0]
 
 
+@pytest.mark.parametrize("memo", [False, True])
+def test_a_file_cut_between_its_fstat_and_its_read_is_truncated(
+    tmp_path: Path, memo: bool
+) -> None:
+    """The size came from the fstat taken before the reads: a file cut in between read as a
+    whole one with no processes (proc_num past the end reads as 0), and no `truncated`."""
+    path = tmp_path / "x.cache"
+    _eight_procs(path).close()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        parse = reader.ParseMemo() if memo else None
+        if parse is not None:
+            reader.snapshot_fd(fd, str(path), memo=parse)  # last scan: the whole file
+        before = os.fstat(fd)
+        n = V12.procs + 3 * V12.slot_size
+        os.truncate(path, n)
+        snap = reader.snapshot_fd(fd, str(path), st=before, memo=parse)
+    finally:
+        os.close(fd)
+    assert (snap.layout, snap.size) == ("v1.2", n)
+    truncated = [a for a in snap.anomalies if a.kind == "truncated"]
+    assert [a.detail for a in truncated] == [f"{n} bytes, v1.2 needs {V12.region_size}"]
+    assert [p.pid for p in snap.procs] == [200, 201, 202]
+
+
 def test_truncated_v12_header_only(tmp_path: Path) -> None:
     full = tmp_path / "full.cache"
     _eight_procs(full).close()

@@ -146,6 +146,14 @@ def _make_codec(layout: Layout) -> _Codec:
     )
 
 
+def _size_now(fd: int, size: int) -> int:
+    """The descriptor's size now, no more than `size` (0 if it cannot be had)."""
+    try:
+        return min(size, os.fstat(fd).st_size)
+    except OSError:
+        return 0
+
+
 class _File:
     """pread on an open descriptor; reads past the end come back short, never raise."""
 
@@ -576,16 +584,20 @@ def snapshot_fd(
             # of HEADER_BYTES is the first slot's, which changes all the time).
             memo.header = _header_memo(size, header[: layout.procs], tuple(probes), found,
                                        device_num, devices, device_anomalies)  # fmt: skip
-    if size < layout.region_size:
-        anomalies.append(
-            Anomaly("truncated", f"{size} bytes, {layout.name} needs {layout.region_size}")
-        )
     codec = _codec(layout)
-    anomalies += device_anomalies
     ndev = min(device_num, MAX_DEVICES)
 
     tail_len = layout.region_size - layout.proc_num
     tail = f.read_at(layout.proc_num, tail_len)
+    if len(tail) < min(tail_len, size - layout.proc_num):
+        # Shorter than the fstat said: cut since (a snapshot of a file that ended in the middle
+        # of the read is a truncated one, as the next scan's would be).
+        size = _size_now(fd, size)
+    if size < layout.region_size:
+        anomalies.append(
+            Anomaly("truncated", f"{size} bytes, {layout.name} needs {layout.region_size}")
+        )
+    anomalies += device_anomalies
     proc_num = 0
     priority = utilization_switch = recent_kernel = 0
     last_kernel_time: int | None = None
