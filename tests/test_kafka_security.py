@@ -305,6 +305,23 @@ def test_an_aggregator_denied_write_on_billing_stops_with_one_line(
     assert line.startswith("hami-usage aggregate: Kafka refused: not authorized: ")
 
 
+def test_an_aggregator_whose_billing_topic_does_not_exist_names_it(
+    secure: SecureBroker, names: dict[str, str], tmp_path: Path
+) -> None:
+    """A broker that does not create topics on first use (this one, as production brokers
+    often are) and no billing topic: the line said `[Error 3] UnknownTopicOrPartitionError`,
+    naming no topic."""
+    missing = f"{names['billing']}-missing"
+    with pytest.raises(AssertionError) as failed:  # (the aggregator's stderr)
+        pipeline(tmp_path, sasl(secure, "collector"), sasl(secure, "aggregator"),
+                 dict(names, billing=missing))  # fmt: skip
+    stderr = str(failed.value)
+    assert "Traceback" not in stderr
+    # (besides aiokafka's own log lines, ERROR, of the metadata requests that missed it)
+    line = f"hami-usage aggregate: Kafka: billing topic {missing} does not exist "
+    assert f"{line}(`hami-usage topics --apply` creates it)" in map(str.strip, stderr.splitlines())
+
+
 def collect(tmp_path: Path, names: dict[str, str], *flags: str) -> tuple[Any, Path]:
     """A collector of an empty root sending to the usage topic, its stderr in a file."""
     root = tmp_path / "containers"

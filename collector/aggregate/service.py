@@ -580,9 +580,10 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
     from aiokafka import AIOKafkaProducer, TopicPartition
     from aiokafka.abc import ConsumerRebalanceListener
     from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import UnknownTopicOrPartitionError
     from aiokafka.structs import OffsetAndMetadata
 
-    from ..transport.consumer import ConsumerSettings, make_consumer
+    from ..transport.consumer import ConsumerSettings, NoSuchTopic, make_consumer
     from ..transport.fenced_offsets import GroupMembershipLost, commit_offsets_as_member
     from ..transport.kafka import delivery_error, wait_for_broker
 
@@ -723,12 +724,18 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 offsets[tp] = OffsetAndMetadata(needed, meta)
             await producer.begin_transaction()
             sent = []
+            topic = settings.billing_topic
             try:
-                for r in records:
-                    key, value, headers = billing_message(r, settings.billing_format)
-                    sent.append(
-                        await producer.send(settings.billing_topic, value, key=key, headers=headers)
-                    )
+                try:
+                    for r in records:
+                        key, value, headers = billing_message(r, settings.billing_format)
+                        sent.append(await producer.send(topic, value, key=key, headers=headers))
+                except UnknownTopicOrPartitionError:
+                    # (after request_timeout_ms of metadata requests; aiokafka names no topic)
+                    raise NoSuchTopic(
+                        f"billing topic {topic} does not exist (`hami-usage topics --apply` "
+                        "creates it)"
+                    ) from None
                 # A batch the broker refuses for good (records over the topic's
                 # max.message.bytes) fails its own records only, and the transaction would
                 # commit the offsets without them: every record is delivered first.

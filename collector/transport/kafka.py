@@ -443,7 +443,12 @@ class KafkaForwarder:
                 if self._batch_lines.say(refusal.kind, self.failed_batches == 1):
                     log.error("kafka refused the collector, retrying: %s", refusal)
             elif self._batch_lines.say(type(exc).__name__, self.failed_batches == 1):
-                log.warning("kafka send failed after %d records: %s", acked - self._offset, exc)
+                log.warning(
+                    "kafka send to %s failed after %d records: %s",
+                    self.settings.topic,
+                    acked - self._offset,
+                    exc,
+                )
             # (the rest of the batch fails too, with this error)
             for fut in futures:
                 if fut is not None:
