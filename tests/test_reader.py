@@ -642,6 +642,40 @@ def test_a_file_cut_between_its_fstat_and_its_read_is_truncated(
     assert [p.pid for p in snap.procs] == [200, 201, 202]
 
 
+@pytest.mark.parametrize("memo", [False, True])
+def test_a_file_cut_after_its_tail_read_is_truncated(
+    tmp_path: Path, memo: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cut after proc_num was read (whole) but before the slots: only the slot reads come back
+    short, and the snapshot is still a truncated one at the size after the cut."""
+    path = tmp_path / "x.cache"
+    _eight_procs(path).close()
+    n = V12.procs + 3 * V12.slot_size
+    real_pread = os.pread
+    cut: list[int] = []
+
+    def pread(fd: int, length: int, offset: int) -> bytes:
+        got = real_pread(fd, length, offset)
+        if not cut and offset <= V12.proc_num < offset + len(got):
+            os.truncate(path, n)
+            cut.append(offset)
+        return got
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        monkeypatch.setattr(os, "pread", pread)
+        snap = reader.snapshot_fd(fd, str(path), memo=reader.ParseMemo() if memo else None)
+        monkeypatch.undo()
+    finally:
+        os.close(fd)
+    assert cut == [V12.proc_num]
+    assert (snap.layout, snap.size) == ("v1.2", n)
+    assert [(a.kind, a.detail) for a in snap.anomalies] == [
+        ("truncated", f"{n} bytes, v1.2 needs {V12.region_size}")
+    ]
+    assert [p.pid for p in snap.procs] == [200, 201, 202]
+
+
 def test_truncated_v12_header_only(tmp_path: Path) -> None:
     full = tmp_path / "full.cache"
     _eight_procs(full).close()

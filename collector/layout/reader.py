@@ -155,16 +155,33 @@ def _size_now(fd: int, size: int) -> int:
 
 
 class _File:
-    """pread on an open descriptor; reads past the end come back short, never raise."""
+    """pread on an open descriptor; reads past the end come back short, never raise. `short`:
+    whether any read came back shorter than asked (the file may have been cut since its fstat)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.short = False
 
     def read_at(self, offset: int, length: int) -> bytes:
         try:
-            return os.pread(self.fd, length, offset)
+            got = os.pread(self.fd, length, offset)
         except OSError:
-            return b""
+            got = b""
+        if len(got) < length:
+            self.short = True
+        return got
+
+
+def _cut(f: _File, size: int, layout: Layout, anomalies: list[Anomaly], at: int) -> int:
+    """The size the snapshot was read at, with `truncated` put at `anomalies[at]` when it is
+    short. A file cut between the fstat and the last read shows only as a short read: its
+    snapshot is a truncated one, as the next scan's would be."""
+    if f.short:
+        size = _size_now(f.fd, size)
+    if size < layout.region_size:
+        detail = f"{size} bytes, {layout.name} needs {layout.region_size}"
+        anomalies.insert(at, Anomaly("truncated", detail))
+    return size
 
 
 _UUID = re.compile(rb"(?:GPU|MIG)-[\x21-\x7e]+")  # NVML UUID: prefix, printable, no space
@@ -589,14 +606,7 @@ def snapshot_fd(
 
     tail_len = layout.region_size - layout.proc_num
     tail = f.read_at(layout.proc_num, tail_len)
-    if len(tail) < min(tail_len, size - layout.proc_num):
-        # Shorter than the fstat said: cut since (a snapshot of a file that ended in the middle
-        # of the read is a truncated one, as the next scan's would be).
-        size = _size_now(fd, size)
-    if size < layout.region_size:
-        anomalies.append(
-            Anomaly("truncated", f"{size} bytes, {layout.name} needs {layout.region_size}")
-        )
+    at = len(anomalies)  # where `truncated` goes, once every read is in (`_cut`)
     anomalies += device_anomalies
     proc_num = 0
     priority = utilization_switch = recent_kernel = 0
@@ -621,6 +631,7 @@ def snapshot_fd(
                 procs, live_used = _parse_block(
                     memo, codec, layout, ndev, block, anomalies, counted
                 )
+                size = _cut(f, size, layout, anomalies, at)
                 last = memo.last
                 if same and last is not None and last[0] == tail and last[1].path == path:
                     # Every byte the snapshot is made of is as last scan: so is the snapshot.
@@ -648,6 +659,7 @@ def snapshot_fd(
     else:
         procs = _parse_memo(memo, codec, short, slots, ndev, live_used, anomalies)
     _check_limits(devices, live_used, anomalies)
+    size = _cut(f, size, layout, anomalies, at)
     return _snapshot(path, size, layout, found, device_num, devices, proc_num, procs,
                      tail_fields, last_kernel_time, anomalies)  # fmt: skip
 
