@@ -53,7 +53,7 @@ def to_json(payload: bytes) -> bytes:
     if payload[:1] == b"{" or payload[:1] in _MSGPACK_MAPS:
         try:
             return _encoder.encode(decode_billing(payload))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except ValueError as exc:  # msgspec's errors, and a version or kind not known
             raise ValueError(f"not a billing record: {exc}") from None
     try:
         return _encoder.encode(named(decode(payload)))
@@ -62,7 +62,7 @@ def to_json(payload: bytes) -> bytes:
     except (msgspec.DecodeError, msgspec.ValidationError) as event_error:
         try:
             return _encoder.encode(decode_billing(payload))
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except ValueError:
             raise ValueError(f"not a usage event or billing record: {event_error}") from None
 
 

@@ -12,6 +12,7 @@ import sys
 import threading
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_schema import EVENTS, sample_events
@@ -157,4 +158,25 @@ def test_a_json_value_that_is_no_billing_record_says_what_it_is_not() -> None:
     assert err == (
         "hami-usage decode: message 1: not a billing record: Input data was truncated\n"
         "hami-usage decode: 1 decoded, 1 undecodable\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"version": 3}, "version 3 is not one of 1 to 2"),
+        ({"kind": "bogus"}, "kind 'bogus' is not one of node, gpu, idle, container"),
+    ],
+)
+def test_a_record_of_no_known_version_or_kind_is_no_billing_record(
+    change: dict[str, object], message: str
+) -> None:
+    """Its line lacked the 'not a billing record:' that every other bad billing value has."""
+    fields = msgspec.structs.asdict(record()) | change
+    rc, objects, err = run(framed([msgspec.json.encode(fields), msgspec.msgpack.encode(fields)]))
+    assert (rc, objects) == (1, [])
+    assert err == (
+        f"hami-usage decode: message 1: not a billing record: {message}\n"
+        f"hami-usage decode: message 2: not a billing record: {message}\n"
+        "hami-usage decode: 0 decoded, 2 undecodable\n"
     )
