@@ -4,7 +4,8 @@ Runs ``http.server`` on 127.0.0.1 (port 0) in a daemon thread, decodes each body
 ``Content-Encoding`` handled) as ``ExportMetricsServiceRequest`` and keeps it. Answers 200 with
 an empty ``ExportMetricsServiceResponse`` unless told to fail (``fail_status``; a 3xx with
 ``Location: /moved``), to stall (``delay_s``) or to send its answer a byte at a time
-(``dribble_s`` between bytes of a ``dribble_bytes``-byte body).
+(``dribble_s`` between bytes of a ``dribble_bytes``-byte body). A body over ``max_body`` bytes
+is answered 413, as the OpenTelemetry Collector answers one over its `max_request_body_size`.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class OtlpReceiver:
         self.delay_s = 0.0
         self.dribble_s = 0.0
         self.dribble_bytes = 40
+        self.max_body: int | None = None
         self.attempts = 0
         receiver = self
 
@@ -130,6 +132,9 @@ class OtlpReceiver:
                     return
                 if fail is not None:
                     self._answer(fail, b"")
+                    return
+                if receiver.max_body is not None and length > receiver.max_body:
+                    self._answer(413, b"")
                     return
                 encoding = (self.headers.get("Content-Encoding") or "").lower()
                 if encoding == "gzip":

@@ -488,7 +488,7 @@ def test_a_push_never_waits_for_a_slow_answer_and_never_doubles(
     holds a flush that long. `push` returns at once; a push while it runs is skipped, counted
     and logged once; the next push after it carries everything recorded meanwhile."""
     receiver.dribble_s, receiver.dribble_bytes = 0.2, 20
-    exporter = OtlpExporter(receiver.endpoint, timeout_s=1)
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=1, push_interval_s=0, push_share=1)
     exporter.record_window([make_record(1, "trainer", 1.0)])
     assert exporter.push() is True
     first = exporter._pushing
@@ -574,3 +574,84 @@ def test_counters_are_the_exact_sum_of_the_records_rounded_once(receiver: OtlpRe
     usage = second.metrics()["hami.gpu.memory.usage_byte_seconds"].points[key]
     assert usage == float(Decimal("5090113232977.123") * 43_200) == 2.198928916646117e17
     assert second.metrics()["hami.gpu.sm.usage_time"].points[key] == 24624.0
+
+
+def test_collecting_is_not_bounded_by_the_request_timeout(receiver: OtlpReceiver) -> None:
+    """Collecting the series took ~15 us a point and shared the request's timeout: past it
+    (about 75 000 series at the default 10 s) every push failed with MetricsTimeoutError.
+    Here 400 series (3 600 points) against a 10 ms timeout, which the receiver on loopback
+    answers within."""
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=0.01)
+    try:
+        exporter.record_window([make_record(1, f"c{i}", 1.0) for i in range(400)])
+        started = time.monotonic()
+        ok = exporter.flush()
+        took = time.monotonic() - started
+    finally:
+        exporter.shutdown()
+    assert took > 0.01  # (the point of the test: collecting alone outlasts the timeout)
+    assert (ok, exporter.failed_exports) == (True, 0)
+    points = receiver.wait_for(1)[0].metrics()["hami.gpu.observed_time"].points
+    assert len(points) == 400
+
+
+def test_an_overlong_attribute_is_not_sent_and_blocks_nothing(
+    receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record whose container name is 30 000 characters made its request too large for the
+    collector, and the SDK stops a push at its first failed request: the series after it were
+    never sent. It is left out and counted; the rest arrive."""
+    monkeypatch.setattr(otlp, "MAX_POINTS_PER_REQUEST", 20)
+    receiver.max_body = 20_000  # 20 points of real names are about 5 000 bytes
+    long = "x" * 30_000
+    edge = "y" * 256  # MAX_ATTRIBUTE_CHARS
+    records = [make_record(1, long, 1.0)] + [make_record(1, f"c{i}", 1.0) for i in range(5)]
+    records.append(make_record(1, edge, 1.0, pod_uid="uid-edge"))
+    gauges = [Gauge("node-a", f"uid-{c}", c, GPU, 1, 2, 3, 4) for c in (long, "c0")]
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    try:
+        exporter.record_window(records)
+        exporter.set_gauges(gauges)
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    assert exporter.rejected_series == 1
+    assert "rejected_series=1" in exporter.summary()
+    sent: dict[str, set[str]] = {}
+    for request in receiver.wait_for(100, timeout_s=1):
+        for name, m in request.metrics().items():
+            sent.setdefault(name, set()).update(
+                dict(k).get("k8s.container.name", "") for k in m.points
+            )
+    assert sent["hami.gpu.observed_time"] == {f"c{i}" for i in range(5)} | {edge}
+    assert {n: v for n, v in sent.items() if n in GAUGE_NAMES} == {n: {"c0"} for n in GAUGE_NAMES}
+    assert len(edge) == otlp.MAX_ATTRIBUTE_CHARS
+
+
+def test_pushes_are_paced_by_their_cost(receiver: OtlpReceiver) -> None:
+    """The aggregator pushes at each commit (every 5 s at most) and a push costs about 35 us of
+    CPU a point: unpaced, pushes took most of a core past a few thousand series. The next
+    push starts no sooner than push_interval_s, nor than the last push's duration / push_share,
+    after the last one started; shutdown's push is never deferred."""
+    receiver.delay_s = 0.3  # each push takes 0.3 s or more
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5, push_interval_s=0.1, push_share=0.5)
+    exporter.record_window([make_record(1, "trainer", 1.0)])
+    started = time.monotonic()
+    assert exporter.push() is True
+    pushing = exporter._pushing
+    assert pushing is not None
+    pushing.join(10)
+    took = time.monotonic() - started
+    assert took >= 0.3
+    assert exporter.push() is False  # within 2 x took of the start: deferred, not counted
+    assert exporter.pushes_skipped == 0
+    time.sleep(max(0.0, started + 2 * took + 0.05 - time.monotonic()))
+    assert exporter.push() is True
+    pushing = exporter._pushing
+    assert pushing is not None
+    pushing.join(10)
+    exporter.record_window([make_record(2, "trainer", 3.0)])
+    exporter.shutdown()  # (a push now would be deferred; shutdown's is not)
+    got = receiver.wait_for(3)
+    assert len(got) == 3
+    assert_counters(got[2], [make_record(1, "trainer", 1.0), make_record(2, "trainer", 3.0)])
