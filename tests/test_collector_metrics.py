@@ -398,7 +398,8 @@ async def test_two_cache_files_of_one_container_are_one_series(tmp_path: Path) -
     assert len(used) == 1, used
     labels = own_labels("", POD, "main", GPU)
     assert samples(body)[(name, labels)] == 3 * GiB
-    assert samples(body)[("hami_usage_container_processes", labels)] == 1  # pid 7 in both
+    # pid 7 in both, two processes of two runs (host pids 4242 and 4243): it counted one
+    assert samples(body)[("hami_usage_container_processes", labels)] == 2
 
 
 async def test_processes_count_only_those_with_memory_on_the_device(tmp_path: Path) -> None:

@@ -164,8 +164,9 @@ def _container_series(
                 sm_limit=dev.sm_limit,
                 last_kernel_age=max(0, int(scrape.now_s) - last_kernel) if last_kernel else None,
                 # With memory on this device: a process of a two-GPU container that uses only
-                # one still has a row (of zeros) on the other.
-                processes=len({r.pid for r in rows if r.total > 0}),
+                # one still has a row (of zeros) on the other. By host pid too: each run of a
+                # container numbers its processes from 1, and its files sit side by side.
+                processes=len({(r.pid, r.hostpid) for r in rows if r.total > 0}),
             )
             # HAMi's legacy memory metric spells the breakdown out in labels.
             context["context_bytes"] = str(values.context)
