@@ -460,6 +460,25 @@ def test_health_says_what_the_kafka_forwarder_cannot_do() -> None:
     )
 
 
+async def _health_once_stopped(
+    collector: Collector, stopped: str, caplog: pytest.LogCaptureFixture
+) -> tuple[int, str, str, list[str]]:
+    """Run `collector` until two scans were made and its `stopped` attribute is set: the
+    /healthz status and body, /metrics, and the errors logged by then."""
+    task = asyncio.create_task(collector.run())
+    try:
+        while collector.scanner.stats.scans < 2 or getattr(collector, stopped) is None:
+            await asyncio.sleep(0.05)
+        assert collector.metrics is not None
+        status, _, body = await asyncio.to_thread(get, collector.metrics.port, "/healthz")
+        _, _, page = await asyncio.to_thread(get, collector.metrics.port, "/metrics")
+        said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    finally:
+        collector.stopping.set()
+        await task
+    return status, body, page, said
+
+
 async def test_a_forwarder_that_stopped_is_said_at_once_and_healthz_is_503(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -477,19 +496,41 @@ async def test_a_forwarder_that_stopped_is_said_at_once_and_healthz_is_503(
         raise ValueError("x")
 
     collector.forwarder.forward_once = bug  # type: ignore[method-assign]
-    task = asyncio.create_task(collector.run())
-    try:
-        while collector.scanner.stats.scans < 2 or collector.forwarder_stopped is None:
-            await asyncio.sleep(0.05)
-        assert collector.metrics is not None
-        status, _, body = await asyncio.to_thread(get, collector.metrics.port, "/healthz")
-        said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    finally:
-        collector.stopping.set()
-        await task
+    status, body, _, said = await _health_once_stopped(collector, "forwarder_stopped", caplog)
     assert status == 503
     assert body.startswith("kafka forwarder stopped (ValueError('x')): events stay spooled; last")
     assert said == [
         f"kafka forwarder stopped: events stay in the spool {tmp_path / 'log'} until a restart"
     ]
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == said
+
+
+async def test_a_pod_watch_that_stopped_is_said_and_healthz_is_503(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error the watch does not know to retry ends its task: /healthz stayed 200 and
+    hami_usage_kube_connected 1 while no pod was named any more. Now both say it."""
+    from kubernetes_asyncio.client import ApiClient
+
+    from collector.node.podwatch import KubeSettings
+
+    root = tmp_path / "containers"
+    root.mkdir()
+    collector = Collector(
+        CollectSettings(root=root, node="n1", log_dir=tmp_path / "log", interval_s=0.1,
+                        nvml=False, metrics_port=0, kube=KubeSettings()),
+        kube_api=ApiClient(),  # (the real client; nothing is asked of it: the watch fails first)
+    )  # fmt: skip
+    watch = collector.podwatch
+    assert watch is not None
+
+    async def bug() -> None:
+        watch.stats.connected = True
+        raise ValueError("x")
+
+    watch.run = bug  # type: ignore[method-assign]
+    status, body, page, said = await _health_once_stopped(collector, "watch_stopped", caplog)
+    assert status == 503
+    assert body.startswith("pod watch stopped (ValueError('x')): pods are not named; last scan")
+    assert samples(page)[("hami_usage_kube_connected", frozenset())] == 0
+    assert said == ["pod watch stopped: pod names are no longer updated"]

@@ -135,6 +135,7 @@ class Collector:
         )
         self.status = CollectorStatus()
         self.forwarder_stopped: str | None = None  # what ended the forwarder's task
+        self.watch_stopped: str | None = None  # what ended the pod watch's task
         self._last_scan = time.monotonic()
         self.stopping = asyncio.Event()
         self._key = settings.node.encode()
@@ -217,6 +218,7 @@ class Collector:
             kafka_unstamped=self.forwarder.stats.unstamped if self.forwarder else 0,
             spool_unreadable=self.forwarder.spool_unreadable if self.forwarder else None,
             forwarder_stopped=self.forwarder_stopped,
+            watch_stopped=self.watch_stopped,
             seconds_since_scan=time.monotonic() - self._last_scan,
             log_blocked=self.status.log_blocked,
             log_blocked_episodes=self.log.stats.blocked_episodes,
@@ -256,7 +258,7 @@ class Collector:
             forward.add_done_callback(self._forwarder_ended)
         watch = asyncio.create_task(self.podwatch.run()) if self.podwatch is not None else None
         if watch is not None:
-            watch.add_done_callback(_watch_ended)
+            watch.add_done_callback(self._watch_ended)
         self.metrics: MetricsServer | None = None
         if self.settings.metrics_port is not None:
             self.metrics = MetricsServer(
@@ -296,8 +298,7 @@ class Collector:
             self.stopping.set()
             if watch is not None:
                 watch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watch
+                await asyncio.wait({watch})  # (a watch that failed was said when it stopped)
             if self.kube_api is not None:
                 await self.kube_api.close()
             if self.metrics is not None:
@@ -353,10 +354,14 @@ class Collector:
             exc_info=task.exception(),
         )
 
-
-def _watch_ended(task: asyncio.Task[None]) -> None:
-    # run() retries every failure it knows; anything else is a bug, and names stop coming.
-    if not task.cancelled() and task.exception() is not None:
+    def _watch_ended(self, task: asyncio.Task[None]) -> None:
+        # run() retries every failure it knows; anything else is a bug, and names stop coming:
+        # said on /healthz and by kube_connected (it stayed 1), for a restart to watch again.
+        if task.cancelled() or task.exception() is None:
+            return
+        self.watch_stopped = repr(task.exception())
+        if self.podwatch is not None:
+            self.podwatch.stats.connected = False
         log.error("pod watch stopped: pod names are no longer updated", exc_info=task.exception())
 
 

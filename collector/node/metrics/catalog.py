@@ -96,7 +96,8 @@ OWN: tuple[Metric, ...] = (
     ),
     Metric(
         "hami_usage_container_processes", "gauge", "processes", "container", _CTR,
-        "processes of the container with memory on the device", _get("processes"),
+        "processes (pid and host pid) of the container with memory on the device",
+        _get("processes"),
     ),
     Metric(
         "hami_usage_gpu_memory_used_bytes", "gauge", "bytes", "gpu", _GPU,

@@ -51,6 +51,7 @@ class Health:
     kafka_unstamped: int = 0  # events sent with the send time: the broker refused their own
     spool_unreadable: str | None = None  # why the forwarder cannot read the spool now
     forwarder_stopped: str | None = None  # what ended the Kafka forwarder (a bug)
+    watch_stopped: str | None = None  # what ended the pod watch (a bug)
     clock_steps: int = 0  # steps of the wall clock absorbed (node/clock.py)
     clock_offset_ms: int = 0  # wall clock - event time as of the last step
     kube: KubeHealth | None = None  # None: the pod watch is off

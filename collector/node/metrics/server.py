@@ -21,9 +21,10 @@ def healthz(health: Health, stale_after_s: float) -> tuple[str, str]:
     """200 while scans keep happening, even while the local log refuses events or the Kafka
     forwarder cannot read the spool: the collector is degraded then, not dead (a restart
     would not free the disk), and says so. A forwarder that has stopped is 503: nothing
-    spooled leaves the node until a restart."""
+    spooled leaves the node until a restart; so is a pod watch that has stopped: no pod is
+    named until a restart."""
     fresh = health.scans > 0 and health.seconds_since_scan <= stale_after_s
-    alive = health.forwarder_stopped is None
+    alive = health.forwarder_stopped is None and health.watch_stopped is None
     status = "200 OK" if fresh and alive else "503 Service Unavailable"
     body = (
         f"last scan {health.seconds_since_scan:.1f} s ago\n"
@@ -37,7 +38,9 @@ def healthz(health: Health, stale_after_s: float) -> tuple[str, str]:
         degraded.append(f"kafka forwarder cannot read the spool ({health.spool_unreadable})")
     if degraded:
         body = f"degraded: {'; '.join(degraded)}; {body}"
-    if not alive:
+    if health.watch_stopped is not None:
+        body = f"pod watch stopped ({health.watch_stopped}): pods are not named; {body}"
+    if health.forwarder_stopped is not None:
         body = f"kafka forwarder stopped ({health.forwarder_stopped}): events stay spooled; {body}"
     return status, body
 
