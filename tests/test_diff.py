@@ -589,6 +589,33 @@ def test_a_dead_slot_the_snapshot_hides_for_a_scan_stays_dead(
     assert h.scan() == []
 
 
+def test_a_live_slot_under_a_stale_host_pid_the_snapshot_hides_for_a_scan_stays_live(
+    root: Path, writers: list[CacheWriter], host_proc: Path
+) -> None:
+    """A slot whose host pid is not there but whose counters moved is a live process (HAMi-core
+    has not written its host pid yet). It was vouched for from the current snapshot only:
+    torn for one scan, it came back judged dead, an exit, and was billed again only once its
+    counters moved again."""
+    w = make(writers, root, V12, devices=DEVICES[:1])
+    (host_proc / "501").mkdir()
+    for pid in (1, 2):  # pid 2's host pid 502 is not (yet) in /proc
+        w.add_process(pid, 500 + pid)
+        w.add_memory(pid, 0, "data", pid * GiB)
+    h = Harness(root, host_proc=host_proc)
+    h.scan()
+    w.add_memory(2, 0, "data", MiB)  # its counters move: a live process
+    assert h.scan() == [
+        ev(ProcessStarted, cid=0, pid=2, hostpid=502),
+        ev(UsageSample, cid=0, rows=[row(2, 502, 0, data=2 * GiB + MiB)]),
+    ]
+    w.region.procs[1].seqlock += 1  # torn for a scan: left out
+    assert [b[1]["anomaly"] for b in h.scan()] == ["torn_read"]
+    w.region.procs[1].seqlock += 1  # read again: every row restated, no exit, no start
+    restated = [row(1, 501, 0, data=GiB), row(2, 502, 0, data=2 * GiB + MiB)]
+    assert h.scan() == [ev(UsageSample, cid=0, rows=restated)]
+    assert h.scan() == []
+
+
 def test_one_read_of_a_slot_half_moved_by_compaction_does_not_revive_a_dead_one(
     root: Path, writers: list[CacheWriter], host_proc: Path
 ) -> None:

@@ -145,7 +145,8 @@ def drop_dead_hosts(
     slot half-copied by compaction, which such a layout cannot tell (the seqlock layouts' read
     leaves it out as torn), is not a move. A dead slot the snapshot does not
     show (past a lowered count, torn, beyond a garbled one) is still dead when it shows again,
-    and so is a dead slot that compaction moved; at most `MAX_PROCS` are remembered a file."""
+    and so is a dead slot that compaction moved, and a vouched-for one still vouched for; at
+    most `MAX_PROCS` of each are remembered a file."""
     dead_rows: dict[ProcKey, list[UsageRow]] = {}
     vouched: set[ProcKey] = set()
     dead: set[ProcKey] = set()
@@ -172,10 +173,13 @@ def drop_dead_hosts(
         del procs[key]
         detail = f"pid {pid} (host pid {hostpid}) has a slot but no process"
         anomalies.append(Anomaly("stale_process", detail, value=hostpid))
-    for key in st.dead:
-        if key not in dead and key not in procs and len(dead) < MAX_PROCS:
-            dead.add(key)
-            dead_rows[key] = st.dead_rows[key]
+    # What a snapshot does not show is judged as it was: a dead slot stays dead and a live one
+    # under a stale host pid stays vouched for (judged afresh, a torn read was its exit).
+    for was, now in ((st.dead, dead), (st.vouched, vouched)):
+        for key in was:
+            if key not in now and key not in procs and len(now) < MAX_PROCS:
+                now.add(key)
+                dead_rows[key] = st.dead_rows[key]
     st.dead_rows, st.vouched, st.dead, st.moving = dead_rows, vouched, dead, moving
 
 
