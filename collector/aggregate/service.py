@@ -731,10 +731,12 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                         key, value, headers = billing_message(r, settings.billing_format)
                         sent.append(await producer.send(topic, value, key=key, headers=headers))
                 except UnknownTopicOrPartitionError:
-                    # (after request_timeout_ms of metadata requests; aiokafka names no topic)
+                    # (after request_timeout_ms of metadata requests; aiokafka names no topic,
+                    # and says the same when the broker did not answer them)
                     raise NoSuchTopic(
-                        f"billing topic {topic} does not exist (`hami-usage topics --apply` "
-                        "creates it)"
+                        f"billing topic {topic} is not in the broker's metadata: it does not "
+                        "exist (`hami-usage topics --apply` creates it) or the broker did not "
+                        "answer"
                     ) from None
                 # A batch the broker refuses for good (records over the topic's
                 # max.message.bytes) fails its own records only, and the transaction would
