@@ -393,6 +393,25 @@ def test_series_overflow_is_reported(
     assert sum(points.values()) == pytest.approx(59.5 * 3)
 
 
+def test_series_past_max_series_are_summed_in_bounded_memory(receiver: OtlpReceiver) -> None:
+    """Every series ever recorded kept its own total although past max_series the SDK folds
+    them into one: memory grew with every container a cluster ever ran. Past max_series they
+    are summed as one overflow total, exactly as the SDK sent them."""
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5, max_series=2)
+    try:
+        for window in (1, 2):
+            exporter.record_window([make_record(window, f"c{i}", 1.0) for i in range(50)])
+        assert exporter.flush()
+    finally:
+        exporter.shutdown()
+    assert exporter.overflowed
+    assert [len(totals) for totals in exporter._totals] == [3] * len(COUNTERS)
+    points = receiver.wait_for(1)[0].metrics()["hami.gpu.observed_time"].points
+    overflow = frozenset({("otel.metric.overflow", True)})
+    assert sorted(points.values()) == [119.0, 119.0, 48 * 119.0]
+    assert points[overflow] == 48 * 119.0
+
+
 def test_nothing_recorded_flush_succeeds(receiver: OtlpReceiver) -> None:
     exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
     try:

@@ -261,6 +261,8 @@ _COMPRESSION: Final = {
 }
 
 _OVERFLOW_ATTRIBUTE: Final = "otel.metric.overflow"
+_Series = tuple[tuple[str, str | bool], ...]  # a counter's attributes
+_OVERFLOW_SERIES: Final[_Series] = ((_OVERFLOW_ATTRIBUTE, True),)
 
 # Points per request, about 240 bytes each with these attributes: about 1.2 MB a request, far
 # under the OpenTelemetry Collector's default 20 MiB body limit and the SDK's 64 MiB cap (one
@@ -444,9 +446,10 @@ class OtlpExporter:
         # value as a float would round once per record, and the counter would drift from the
         # sum of the records' integrals (52 746 byte-seconds over a month of one 79 GiB
         # container); a total is rounded once, when it is sent.
-        self._totals: tuple[dict[tuple[tuple[str, str], ...], Decimal], ...] = tuple(
-            {} for _ in COUNTERS
-        )
+        # At most max_series of them a counter, and the rest summed as the SDK would fold them
+        # (`_OVERFLOW_SERIES`): kept for every series ever seen, they grew without bound.
+        self._totals: tuple[dict[_Series, Decimal], ...] = tuple({} for _ in COUNTERS)
+        self._max_series = max_series
         for c, totals in zip(COUNTERS, self._totals, strict=True):
             meter.create_observable_counter(
                 c.name, callbacks=[self._counter_callback(c, totals)], unit=c.unit,
@@ -506,7 +509,7 @@ class OtlpExporter:
                     "(counted in rejected_series, logged once)", record_id, MAX_ATTRIBUTE_CHARS
                 )  # fmt: skip
             return
-        series = tuple(attrs.items())
+        series: _Series = tuple(attrs.items())
         for instrument, totals in zip(COUNTERS, self._totals, strict=True):
             value = Decimal(getattr(rec, instrument.field))
             if not value.is_finite() or value < 0:
@@ -518,7 +521,12 @@ class OtlpExporter:
                     record_id,
                 )
             elif value > 0:
-                totals[series] = totals.get(series, _ZERO) + value
+                key = series
+                if key not in totals and len(totals) >= self._max_series + (
+                    _OVERFLOW_SERIES in totals
+                ):
+                    key = _OVERFLOW_SERIES
+                totals[key] = totals.get(key, _ZERO) + value
         if record_id and self._dedupe_capacity:
             self._seen[record_id] = None
             while len(self._seen) > self._dedupe_capacity:
@@ -548,7 +556,7 @@ class OtlpExporter:
         return callback
 
     def _counter_callback(
-        self, instrument: Instrument, totals: dict[tuple[tuple[str, str], ...], Decimal]
+        self, instrument: Instrument, totals: dict[_Series, Decimal]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         shift = -2 if instrument.percent else 0
 
