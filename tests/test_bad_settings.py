@@ -802,3 +802,31 @@ def test_a_group_too_long_for_a_local_checkpoint_is_one_line(
         "hami-usage aggregate: --group: with a local log, at most 200 of A-Z a-z 0-9 . _ - "
         "(not . or - first)",
     )
+
+
+@pytest.mark.parametrize("kind", ["config", "prices", "kubeconfig"])
+def test_a_settings_file_nested_too_deeply_is_one_line(
+    paths: dict[str, str], tmp_path: Path, kind: str
+) -> None:
+    """1 000 nested arrays (2 KB): the parsers recurse once a level, and the line was a
+    RecursionError's 3 000-line traceback, exit 1."""
+    deep = "[" * 1000 + "]" * 1000
+    if kind == "config":
+        path = tmp_path / "c.toml"
+        path.write_text(f"[aggregate]\nwindow = {deep}\n")
+        proc = run("aggregate", "--config", str(path), "--log", paths["log"], cwd=tmp_path)
+        expected = f"hami-usage aggregate: config {path}: values nested too deeply"
+    elif kind == "prices":
+        path = tmp_path / "prices.toml"
+        path.write_text(f"default = {deep}\n")
+        proc = run("report", *REPORT_SPAN, "--csv", paths["file"], "--prices", str(path),
+                   cwd=tmp_path)  # fmt: skip
+        expected = f"hami-usage report: prices {path}: values nested too deeply"
+    else:
+        path = tmp_path / "kubeconfig"
+        path.write_text(f"a: {'[' * 5000}{']' * 5000}\n")
+        proc = run("collect", "--root", paths["root"], "--log", paths["log"], "--max-scans", "1",
+                   "--no-nvml", "--kubeconfig", str(path), cwd=tmp_path)  # fmt: skip
+        expected = f"hami-usage collect: kubernetes configuration ({path}): values nested too "
+        expected += "deeply"
+    assert_one_line(proc, expected)

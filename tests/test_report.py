@@ -882,8 +882,8 @@ def test_a_huge_price_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         2,
         "",
-        f"hami-usage report: {tmp_path / 'prices.toml'}: default: out of range: the exponent "
-        "must lie within ±30 (1e-30 up to below 1e31)\n",
+        f"hami-usage report: prices {tmp_path / 'prices.toml'}: default: out of range: the "
+        "exponent must lie within ±30 (1e-30 up to below 1e31)\n",
     )
 
 

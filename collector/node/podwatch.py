@@ -684,9 +684,19 @@ async def open_api(settings: KubeSettings) -> Any:
             cfg.refresh_api_key_hook = _reloading(loader)
         else:
             load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    except (ConfigException, OSError, ValueError, TypeError, KeyError, yaml.YAMLError) as exc:
+    except (
+        ConfigException,
+        OSError,
+        ValueError,
+        TypeError,
+        KeyError,
+        yaml.YAMLError,
+        RecursionError,
+    ) as exc:
         where = settings.kubeconfig or "in-cluster service account"
-        detail = " ".join(str(exc).split())  # one line, whatever the parser said
+        # One line, whatever the parser said (a RecursionError: it recurses once per level).
+        deep = isinstance(exc, RecursionError)
+        detail = "values nested too deeply" if deep else " ".join(str(exc).split())
         raise KubeConfigError(f"kubernetes configuration ({where}): {detail}") from None
     return ApiClient(configuration=cfg)
 

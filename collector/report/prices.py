@@ -77,7 +77,7 @@ class Prices:
             raise PriceError(f"prices {path}: {exc}") from None
         except UnicodeDecodeError as exc:  # TOML is UTF-8; the bytes are not shown
             raise PriceError(f"prices {path}: not UTF-8 text (byte {exc.start})") from None
-        return cls.parse(text, str(path))
+        return cls.parse(text, f"prices {path}")
 
     @classmethod
     def parse(cls, text: str, where: str = "prices") -> Prices:
@@ -86,6 +86,8 @@ class Prices:
             data = tomllib.loads(text, parse_float=Decimal)
         except tomllib.TOMLDecodeError as exc:
             raise PriceError(f"{where}: {exc}") from None
+        except RecursionError:  # (tomllib recurses once per nested array or inline table)
+            raise PriceError(f"{where}: values nested too deeply") from None
         unknown = set(data) - {"currency", "default", "models", "namespaces", "labels"}
         if unknown:
             raise PriceError(f"{where}: unknown key {sorted(unknown)[0]!r}")
