@@ -35,6 +35,7 @@ from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.aggregate.windows.settings import MAX_TS
 from collector.events import (
     MAX_BYTES,
+    ContainerState,
     DeviceLimit,
     DeviceUsageRow,
     Event,
@@ -76,6 +77,25 @@ def test_a_wrapped_counter_next_to_a_normal_process_bills_the_normal_one_exactly
     assert agg.stats.refused_values == 3
     for r in records:
         assert from_msgpack(to_msgpack(r)) == r
+
+
+def test_a_heartbeat_that_states_one_cid_twice_is_applied_in_order() -> None:
+    """The two states had one sort key down to their payloads: sorting them compared two
+    ContainerStates, a TypeError that stopped the aggregator at every restart. The later
+    state is taken, as if the heartbeat had stated it alone, and the other counted refused."""
+
+    def stream(*states: ContainerState) -> list[Event]:
+        c = Collector()
+        return [c.appeared(T0), c.sample(T0, row(1, 100)), c.heartbeat(T0 + 1000, *states),
+                c.sample(T0 + 90_000, row(1, 300))]  # fmt: skip
+
+    twice, agg = run(stream(state(1, row(1, 100), pod="a"), state(1, row(1, 200), pod="b")))
+    once, _ = run(stream(state(1, row(1, 200), pod="b")))
+    assert twice == once
+    assert agg.stats.refused_values == 1
+    # 100 B for 1 s, 200 B until the last sample, then 300 B for max_gap (90 s)
+    billed = sum(r.memory_byte_seconds for r in once if r.kind == "container")
+    assert billed == 100 + 200 * 89 + 300 * 90
 
 
 def test_an_impossible_limit_is_billed_as_none_and_counted() -> None:

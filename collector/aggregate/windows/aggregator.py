@@ -132,7 +132,11 @@ class Aggregator:
         elif isinstance(event, Heartbeat):
             if event.interval_ms > self._gap:
                 self._heartbeat_over_gap(node, event.interval_ms)
-            for state in event.containers:
+            # No collector states a cid twice in one heartbeat: the later state is taken and
+            # the other refused (both would have one sort key, down to their payloads).
+            states = {state.cid: state for state in event.containers}
+            stats.refused_values += len(event.containers) - len(states)
+            for state in states.values():
                 tr = self._track(node, inc, state.cid, source)
                 tr.pending.append((eff, ts, seq, self._arrival, state, offset))
             if event.pods:
