@@ -16,7 +16,7 @@ Values are absolute, never increments: a duplicate or a replay is harmless.
 from __future__ import annotations
 
 import typing
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -32,6 +32,21 @@ JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 MAX_BYTES = (1 << 48) - 1
 MAX_PERCENT = 10_000
 
+# The longest string of each kind an event carries, from where it comes: a Kubernetes name is at
+# most 253 characters (a label value 63, a label key 317 with its prefix), a cache folder's name
+# at most 255 bytes, an NVML UUID or device name at most 96 bytes, a path at most 4096 (PATH_MAX;
+# a path or an anomaly's detail is given a quarter of it for each byte, which may be escaped).
+# No collector sends a longer one; a value beyond these is refused as undecodable. Unbounded, one
+# event with a megabyte name made its billing record too large for the billing topic, which
+# stopped the aggregator at every restart.
+MAX_NAME = 253  # the node name a message is keyed by is held to it too (intake)
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Word = Annotated[str, msgspec.Meta(max_length=64)]  # a layout, an anomaly's kind, a reason
+Uuid = Annotated[str, msgspec.Meta(max_length=96)]
+PathText = Annotated[str, msgspec.Meta(max_length=4 * 4096)]
+LabelKey = Annotated[str, msgspec.Meta(max_length=317)]
+LabelValue = Annotated[str, msgspec.Meta(max_length=63)]
+
 # Every struct below is gc=False: events are plain trees of numbers and strings that can never
 # take part in a reference cycle, and at hundreds of thousands per second the cycle collector
 # walking them cost the aggregator about a quarter of its time.
@@ -41,7 +56,7 @@ class DeviceLimit(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A container's entitlement on one device (index into the cache file's device table)."""
 
     index: int
-    uuid: str
+    uuid: Uuid
     limit_bytes: int
     sm_limit: int
 
@@ -64,9 +79,9 @@ class ContainerState(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Everything live about one container, restated by each heartbeat."""
 
     cid: int
-    pod_uid: str
-    container: str
-    layout: str
+    pod_uid: Name
+    container: Name
+    layout: Word
     devices: list[DeviceLimit]
     rows: list[UsageRow]
     # Whether Kubernetes has the container running, as the collector last said in a
@@ -80,12 +95,12 @@ class Identity(msgspec.Struct, array_like=True, frozen=True, gc=False):
     the allowlisted namespace and pod labels (a pod label wins over a namespace label of the
     same key)."""
 
-    pod_uid: str
-    namespace: str
-    pod: str
-    workload_kind: str
-    workload: str
-    labels: dict[str, str] = {}
+    pod_uid: Name
+    namespace: Name
+    pod: Name
+    workload_kind: Name
+    workload: Name
+    labels: dict[LabelKey, LabelValue] = {}
 
 
 class _Base(msgspec.Struct, array_like=True, frozen=True, gc=False, tag_field="kind"):
@@ -97,10 +112,10 @@ class _Base(msgspec.Struct, array_like=True, frozen=True, gc=False, tag_field="k
 
 class ContainerAppeared(_Base, tag=1, frozen=True):
     cid: int
-    pod_uid: str
-    container: str
-    path: str
-    layout: str
+    pod_uid: Name
+    container: Name
+    path: PathText
+    layout: Word
     devices: list[DeviceLimit]
 
 
@@ -139,9 +154,9 @@ class LayoutAnomaly(_Base, tag=7, frozen=True):
     container."""
 
     cid: int
-    path: str
-    anomaly: str
-    detail: str
+    path: PathText
+    anomaly: Word
+    detail: PathText
     slot: int | None = None
     device: int | None = None
     value: int | None = None
@@ -170,17 +185,17 @@ class GpuInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One physical GPU (or MIG instance) as NVML sees it on the node."""
 
     index: int
-    uuid: str
-    name: str
+    uuid: Uuid
+    name: Uuid  # (NVML's buffer for a name is 96 bytes too)
     memory_total: int
     mig_mode: bool
-    parent_uuid: str = ""  # for a MIG instance: the GPU it lives on
+    parent_uuid: Uuid = ""  # for a MIG instance: the GPU it lives on
 
 
 class DeviceUsageRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Whole-device usage from NVML, and the part of it no cache file accounts for."""
 
-    uuid: str
+    uuid: Uuid
     memory_used: int
     utilization: int  # percent, device-wide
     unaccounted_bytes: int  # NVML per-process memory of processes no cache file knows
@@ -209,9 +224,9 @@ class CollectorStarted(_Base, tag=12, frozen=True):
     """The first event of each collector incarnation: who it is, so that two collectors sending
     under one node name can be told apart and named (the aggregator bills only the newest)."""
 
-    host: str  # the host name the collector runs on
+    host: Name  # the host name the collector runs on
     pid: int
-    log: str  # its local log (spool) directory
+    log: PathText  # its local log (spool) directory
 
 
 class ContainerRun(_Base, tag=13, frozen=True):
@@ -226,7 +241,7 @@ class ContainerRun(_Base, tag=13, frozen=True):
     cid: int
     running: bool
     at: int
-    reason: str
+    reason: Word
 
 
 Event = (

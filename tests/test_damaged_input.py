@@ -170,6 +170,24 @@ def test_an_event_kind_from_a_newer_collector_is_undecodable_and_its_seq_a_gap(
     }
 
 
+def test_names_longer_than_any_collector_sends_are_undecodable(
+    tmp_path: Path, stream: list[Msg]
+) -> None:
+    """A container name of 200 000 characters (any producer may write to the topic) made a
+    billing record too large for the billing topic, which stopped the aggregator at every
+    restart, and a key of any length was a node name. Both are undecodable now, and the
+    nodes' bill is as without them; names at the bounds are taken (the other tests' events)."""
+    hostile = Collector()
+    huge = msgspec.structs.replace(hostile.appeared(T0_MS), container="\x01" * 200_000)
+    long_key = Msg(b"n" * 254, msgspec.msgpack.encode(hostile.appeared(T0_MS)), T0_MS)
+    log = tmp_path / "log"
+    write_log(log, [Msg(b"hostile", msgspec.msgpack.encode(huge), T0_MS), long_key, *stream])
+    rc, err = aggregate(log, tmp_path / "a.csv", "--accept-damaged")
+    assert rc == 0, err
+    assert " undecodable=2 unknown_schema=0;" in err
+    assert read_csv(tmp_path / "a.csv") == csv_lines(reference(stream))
+
+
 @pytest.mark.parametrize("how", DAMAGES)
 def test_damaged_log_exits_3_naming_the_damage(tmp_path: Path, stream: list[Msg], how: str) -> None:
     log = tmp_path / "log"

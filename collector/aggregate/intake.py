@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ..events import UnknownSchemaVersion, decode
+from ..events import MAX_NAME, UnknownSchemaVersion, decode
 from .damage import DamageReport
 from .windows import Aggregator, packed
 
@@ -59,7 +59,8 @@ def add_record(
     offset: int,
     record_ts_ms: int,
 ) -> None:
-    if value is None:  # a tombstone: no event
+    # A tombstone, or a key longer than any node name: no usable event.
+    if value is None or (key is not None and len(key) > MAX_NAME):
         stats.undecodable += 1
         return
     node = (key or b"").decode("utf-8", "replace")
@@ -79,7 +80,7 @@ def add_kafka_records(
             node_key = key
             node = (key or b"").decode("utf-8", "replace")
         value = m.value
-        if value is None:  # a tombstone: no event
+        if value is None or (key is not None and len(key) > MAX_NAME):  # (see add_record)
             stats.undecodable += 1
             continue
         if value[1:2] != _SAMPLE or not _sample(
