@@ -430,3 +430,28 @@ def test_first_start_keeps_what_the_file_held_and_commits_it(tmp_path: Path) -> 
     committed = LogReader(log).committed("g1")
     assert committed is not None
     assert msgspec.json.decode(committed[1], type=Checkpoint).csv_bytes == len("kept from before\n")
+
+
+def test_start_from_places_a_new_group_in_a_local_log(tmp_path: Path) -> None:
+    """`--start-from` was read for Kafka only: a new group of a local log billed the whole log
+    whatever it said. A time before 1970 is every record's, as for Kafka (where it was a
+    traceback: Kafka takes no negative time)."""
+    from collector.aggregate.records import iso_utc
+
+    log = tmp_path / "log"
+    write_local_log(log, build(tmp_path / "nodes", T0_MS, Spec(seconds=240)))
+
+    def aggregate(group: str, *extra: str) -> list[str]:
+        out = tmp_path / f"{group}.csv"
+        proc = hami("aggregate", "--log", log, *WINDOW_FLAGS, "--drain", "--group", group,
+                    "--csv", out, *extra)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return read_csv(out)
+
+    whole = aggregate("all")
+    assert whole and aggregate("old", "--start-from", "1960-01-01T00:00:00Z") == whole
+    assert aggregate("end", "--start-from", "latest") == []
+    cut = T0_MS + 2 * 60_000
+    later = aggregate("later", "--start-from", iso_utc(cut))
+    assert later and min(line.split(",")[0] for line in later) >= iso_utc(cut)
+    assert len(later) < len(whole)

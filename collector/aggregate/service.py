@@ -493,7 +493,7 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
 async def _run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Outputs:
     reader = LogReader(settings.log_dir)
     committed = open_checkpoint(reader, settings.group, settings.log_dir)
-    position, meta = committed if committed else (0, "")
+    position, meta = committed if committed else (_local_start(reader, settings.start_from), "")
     resume = parse_checkpoint(meta, f"checkpoint of group {settings.group}")
     check_window(resume, settings.window.window_ms, f"checkpoint of group {settings.group}")
     damage = settings.stats.damage
@@ -970,6 +970,16 @@ async def committed_offsets(
     return dict(found)
 
 
+def _local_start(reader: LogReader, start_from: str | int) -> int:
+    """Where a group that has committed nothing in a local log starts (it started at its
+    beginning whatever `start_from` said)."""
+    if start_from == "earliest":
+        return 0
+    if start_from == "latest":
+        return reader.end_offset()
+    return reader.offset_for_time(max(int(start_from), 0))
+
+
 async def start_offsets(consumer: Any, tps: list[Any], start_from: str | int) -> dict[Any, int]:
     """Where each partition starts for a group that has committed nothing there."""
     if start_from == "earliest":
@@ -977,7 +987,8 @@ async def start_offsets(consumer: Any, tps: list[Any], start_from: str | int) ->
     ends: dict[Any, int] = await consumer.end_offsets(tps)
     if start_from == "latest":
         return ends
-    found = await consumer.offsets_for_times({tp: int(start_from) for tp in tps})
+    # (Kafka takes no time before 1970: such a time is every record's, as `earliest`)
+    found = await consumer.offsets_for_times({tp: max(int(start_from), 0) for tp in tps})
     return {tp: found[tp].offset if found.get(tp) else ends[tp] for tp in tps}
 
 
