@@ -328,6 +328,26 @@ def test_two_outputs_that_are_one_file_are_refused(
     assert sorted(os.listdir(tmp_path)) == sorted(["a-file", "link", "log", "root"]
                                                   + (["out"] if how != "new" else []))  # fmt: skip
 
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [(c, f) for c in ("aggregate", "replay") for f in ("--csv", "--jsonl")]
+    + [("aggregate", "--parquet")],  # (replay writes no Parquet)
+)
+def test_an_output_inside_the_log_it_reads_is_refused(
+    paths: dict[str, str], tmp_path: Path, command: str, flag: str
+) -> None:
+    """`--csv LOG/00000000000000000000.log` replaced the log's only segment with CSV text (exit
+    0), and every later start exited 3 on the torn segment."""
+    log = Path(paths["log"])
+    segment = log / "00000000000000000000.log"
+    segment.write_bytes(b"")
+    span = ["--from", "2024-01-01T00:00Z", "--to", "2024-01-02T00:00Z"]
+    extra = ["--drain"] if command == "aggregate" else span
+    proc = run(command, "--log", str(log), *extra, flag, str(segment), cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage {command}: {flag} {segment} is inside --log {log}")
+    assert os.listdir(log) == [segment.name] and segment.read_bytes() == b""
+
+
 def test_topics_refuses_one_topic_for_usage_and_billing(tmp_path: Path) -> None:
     """`--apply` created the one and failed on the other (a broker error, exit 1)."""
     config = tmp_path / "c.toml"

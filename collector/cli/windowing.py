@@ -54,6 +54,12 @@ def check_outputs(section: str, cfg: ReplayConfig) -> None:
     """The record files (and aggregate's Parquet folder) are checked before any input is read:
     an unwritable one is exit 2 now, not a failure after the run has done its work."""
     with machine(section):
+        if cfg.kafka is None:  # read from a local log: written among its segments, an output
+            # replaced or corrupted one (a CSV over a segment, then exit 3 at every start)
+            outputs = [("--csv", cfg.csv), ("--jsonl", cfg.jsonl)]
+            if isinstance(cfg, AggregateConfig):
+                outputs.append(("--parquet", cfg.parquet))
+            check.outside_folder([(f, v) for f, v in outputs if v], "--log", cfg.log)
         if cfg.csv:
             check.writable_file("--csv", cfg.csv)
         if cfg.jsonl:
