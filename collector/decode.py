@@ -75,8 +75,10 @@ def _length_framed(stream: BinaryIO) -> Iterator[bytes]:
         if len(header) < 4:
             raise FramingError(f"stream ends inside a length prefix ({len(header)} of 4 bytes)")
         (size,) = struct.unpack(">i", header)
+        if size == -1:
+            continue  # a null value (a tombstone): kcat's %R writes -1
         if size < 0:
-            continue  # a null value (a tombstone)
+            raise FramingError(f"a length prefix of {size}: not kcat's %R framing")
         payload = stream.read(size)
         if len(payload) < size:
             raise FramingError(f"stream ends inside a value ({len(payload)} of {size} bytes)")

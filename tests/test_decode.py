@@ -75,6 +75,14 @@ def test_bad_input_is_counted_never_guessed() -> None:
     assert err == "hami-usage decode: length framing: stream ends inside a value (3 of 256 bytes)\n"
     rc, _, err = run(b"!!!\n", "base64")
     assert rc == 1 and err.startswith("hami-usage decode: base64 framing: not base64")
+    # Only -1 is kcat's null value: any other negative length was skipped unsaid, exit 0.
+    for size in (-2, -(2**31)):
+        rc, objects, err = run(framed([good]) + struct.pack(">i", size) + framed([good]))
+        assert (rc, len(objects)) == (1, 1)
+        assert err == (
+            f"hami-usage decode: length framing: a length prefix of {size}: not kcat's %R "
+            "framing\n"
+        )
 
 
 def test_a_value_nested_too_deeply_is_undecodable_not_a_crash() -> None:
