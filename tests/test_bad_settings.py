@@ -108,6 +108,13 @@ def test_collect_node_name_from_the_environment_is_checked_too(tmp_path: Path) -
         "hami-usage collect: node: 'bad node' is not 1 to 253 printable characters without "
         "spaces (from $NODE_NAME or the host name)",
     )
+    assert not (tmp_path / "log").exists()  # (checked before --log is made)
+    # An empty $NODE_NAME (a fieldRef gone wrong) was taken for the host name.
+    proc = run(*args, cwd=tmp_path, node="")
+    assert_one_line(
+        proc, "hami-usage collect: node: must not be empty (from $NODE_NAME or the host name)"
+    )
+    assert not (tmp_path / "log").exists()
 
 
 @pytest.mark.parametrize("where", ["flag", "env", "toml"])
@@ -822,6 +829,26 @@ def test_a_group_too_long_for_a_local_checkpoint_is_one_line(
         "hami-usage aggregate: --group: with a local log, at most 200 of A-Z a-z 0-9 . _ - "
         "(not . or - first)",
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--start-from", "bogus"], "--start-from 'bogus': not an ISO-8601 time"),
+        (["--group", "g" * 201], "--group: with a local log, at most 200 of A-Z a-z 0-9 . _ -"),
+        (["--kafka-username", "u"], "SASL"),
+    ],
+    ids=["start-from", "group", "security"],
+)
+def test_a_refused_aggregate_makes_no_output_folder(
+    paths: dict[str, str], tmp_path: Path, flags: list[str], message: str
+) -> None:
+    """The outputs were checked (and --parquet made) before the other settings."""
+    proc = run("aggregate", "--log", paths["log"], "--drain", "--parquet", "pq", *flags,
+               cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+    assert not (tmp_path / "pq").exists() and os.listdir(paths["log"]) == []
 
 
 @pytest.mark.parametrize("kind", ["config", "prices", "kubeconfig"])

@@ -95,6 +95,16 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
     one_source("aggregate", args, cfg.kafka)
+    # What makes nothing is checked before the outputs (which makes --parquet): a refused run
+    # leaves no folder behind.
+    start_from = _start_from(cfg.start_from)
+    security = kafka_security(cfg, "aggregate")  # (checked even when no broker is given)
+    topics = topic_plan(args, "aggregate", cfg.topic, cfg.billing_topic) if cfg.kafka else None
+    if not cfg.kafka and not GROUP_NAME.match(cfg.group):  # (its checkpoint file's name)
+        raise UsageError(
+            "hami-usage aggregate: --group: with a local log, at most 200 of A-Z a-z 0-9 "
+            ". _ - (not . or - first)"
+        )
     check_outputs("aggregate", cfg)
     settings = AggregateSettings(
         window=window_settings(cfg),
@@ -112,19 +122,13 @@ def _run(args: argparse.Namespace) -> int:
         health_port=cfg.health_port,
         health_bind_address=cfg.health_bind_address,
         billing_format=cfg.billing_format,
-        start_from=_start_from(cfg.start_from),
+        start_from=start_from,
     )
-    security = kafka_security(cfg, "aggregate")  # (checked even when no broker is given)
-    if cfg.kafka:
+    if topics is not None:
         settings.security = security
-        settings.topics = topic_plan(args, "aggregate", cfg.topic, cfg.billing_topic).specs()
-    if not cfg.kafka:
+        settings.topics = topics.specs()
+    else:
         _checkpoint_writable(Path(cfg.log))
-        if not GROUP_NAME.match(cfg.group):  # (the name of its checkpoint file, and of a temp one)
-            raise UsageError(
-                "hami-usage aggregate: --group: with a local log, at most 200 of A-Z a-z 0-9 "
-                ". _ - (not . or - first)"
-            )
     start_logging(logging.INFO)
     try:
         run_kafka("aggregate", aggregate(settings))

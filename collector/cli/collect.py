@@ -197,19 +197,23 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_settings(args, CollectConfig, "collect", COLLECT_FLAGS)
     root = Path(cfg.root)
-    node = cfg.node or os.environ.get("NODE_NAME") or socket.gethostname()
+    # (an empty $NODE_NAME, a fieldRef gone wrong, is refused: not taken for the host name)
+    env_node = os.environ.get("NODE_NAME")
+    node = cfg.node or (env_node if env_node is not None else socket.gethostname())
+    # What needs nothing made first is checked first: a refused run leaves no --log behind.
     with machine("collect"):
-        check.cache_root("--root", cfg.root)
-        check.writable_dir("--log", cfg.log)
-        if cfg.host_proc is not None and not os.path.isdir(cfg.host_proc):
-            raise check.SettingError(f"--host-proc {cfg.host_proc}: not a directory")
-        if cfg.kafka:
-            check.compression_available("--compression", cfg.compression)
         try:
             check.node_name("node", node)
         except ValueError as exc:
             raise check.SettingError(f"{exc} (from $NODE_NAME or the host name)") from None
     security = kafka_security(cfg, "collect")  # (checked even when no broker is given)
+    with machine("collect"):
+        check.cache_root("--root", cfg.root)
+        if cfg.host_proc is not None and not os.path.isdir(cfg.host_proc):
+            raise check.SettingError(f"--host-proc {cfg.host_proc}: not a directory")
+        if cfg.kafka:
+            check.compression_available("--compression", cfg.compression)
+        check.writable_dir("--log", cfg.log)
     kafka = None
     if cfg.kafka:
         kafka = ProducerSettings(
