@@ -189,6 +189,12 @@ class TopicsConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_
         check.kafka_name("billing_topic", self.billing_topic)
         check.billing_topic("billing_topic", self.billing_topic, self.topic)
         check.retention("usage_retention_days", self.usage_retention_days)
+        # (here, not in `topics` alone: the services check their topics by this table too)
+        if self.min_insync_replicas > self.replication_factor:
+            raise ValueError(
+                f"min_insync_replicas: {self.min_insync_replicas} is more than "
+                f"replication_factor {self.replication_factor}"
+            )
 
 
 C = TypeVar("C", bound=msgspec.Struct)

@@ -754,13 +754,16 @@ def test_a_bad_topics_table_is_the_running_commands_error(
     """`collect` and `aggregate` with `--kafka` read `[topics]` of their config to check the
     topics: an error there is theirs, not `hami-usage topics:`'s."""
     config = tmp_path / "c.toml"
-    config.write_text("[topics]\nusage_partitions = 0\n")
     where = ["--root", paths["root"], "--log", paths["log"]] if command == "collect" else []
-    proc = run(command, "--config", str(config), "--kafka", "127.0.0.1:9", *where,
-               cwd=tmp_path)  # fmt: skip
-    assert_one_line(
-        proc, f"hami-usage {command}: invalid setting usage_partitions: Expected `int` >= 1"
-    )
+    for table, message in [
+        ("usage_partitions = 0", "usage_partitions: Expected `int` >= 1"),
+        # (it was exit 2 in `topics` alone: the services warned of every topic's config)
+        ("min_insync_replicas = 5", "min_insync_replicas: 5 is more than replication_factor 3"),
+    ]:
+        config.write_text(f"[topics]\n{table}\n")
+        proc = run(command, "--config", str(config), "--kafka", "127.0.0.1:9", *where,
+                   cwd=tmp_path)  # fmt: skip
+        assert_one_line(proc, f"hami-usage {command}: invalid setting {message}")
 
 
 @pytest.mark.parametrize("command", ["aggregate", "topics", "collect"])

@@ -124,7 +124,8 @@ def test_topics_prints_creates_and_checks(kafka_bootstrap: str, names: dict[str,
     bad = hami("topics", *flags, "--min-insync-replicas", "2")
     assert bad.returncode == 2
     assert bad.stderr == (
-        "hami-usage topics: --min-insync-replicas must not exceed --replication-factor\n"
+        "hami-usage topics: invalid setting min_insync_replicas: 2 is more than "
+        "replication_factor 1\n"
     )
 
 

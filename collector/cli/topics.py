@@ -82,10 +82,6 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_settings(args, TopicsConfig, "topics", TOPICS_FLAGS)
     if not cfg.kafka:
         raise UsageError("hami-usage topics: --kafka BOOTSTRAP is required")
-    if cfg.min_insync_replicas > cfg.replication_factor:
-        raise UsageError(
-            "hami-usage topics: --min-insync-replicas must not exceed --replication-factor"
-        )
     plan = plan_of(cfg, cfg.topic, cfg.billing_topic)
     security = kafka_security(cfg, "topics")
     start_logging(logging.WARNING)
