@@ -292,6 +292,34 @@ def test_replay_checks_its_outputs_and_numbers(paths: dict[str, str], tmp_path: 
     assert not Path(csv).exists()
 
 
+@pytest.mark.parametrize("where", ["env", "toml"])
+def test_replay_replaces_no_output_it_was_not_given_by_flag(
+    paths: dict[str, str], tmp_path: Path, where: str
+) -> None:
+    """An aggregator's CSV named by HAMI_USAGE_CSV (or its config) was cut to the range's
+    records by a replay run beside it with only --jsonl given, exit 0."""
+    live = tmp_path / "live.csv"
+    live.write_text("the aggregator's records\n")
+    config = tmp_path / "c.toml"
+    config.write_text(f'[replay]\ncsv = "{live}"\n')
+    span = ["--from", "2024-01-01T00:00Z", "--to", "2024-01-02T00:00Z"]
+    args = ["--config", str(config)] if where == "toml" else []
+    env = {"HAMI_USAGE_CSV": str(live)} if where == "env" else {}
+    proc = run("replay", "--log", paths["log"], *span, "--jsonl", str(tmp_path / "r.jsonl"),
+               *args, cwd=tmp_path, extra_env=env)  # fmt: skip
+    assert_one_line(
+        proc,
+        f"hami-usage replay: --csv {live} (from the environment or --config) is not empty: "
+        "replay replaces its output, so only one given as --csv",
+    )
+    assert live.read_text() == "the aggregator's records\n"
+    assert not (tmp_path / "r.jsonl").exists()
+    # Given as a flag, it is replaced, as the README says (a range's new file).
+    proc = run("replay", "--log", paths["log"], *span, "--csv", str(live), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert live.read_text().startswith("window_start,")
+
+
 def test_replay_refuses_a_log_beside_a_broker_from_the_environment(
     paths: dict[str, str], tmp_path: Path
 ) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -68,6 +70,14 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("hami-usage replay: --to must be after --from")
     if not cfg.csv and not cfg.jsonl:
         raise UsageError("hami-usage replay: give --csv FILE or --jsonl FILE")
+    for flag, value, given in (("--csv", cfg.csv, args.csv), ("--jsonl", cfg.jsonl, args.jsonl)):
+        # Replay replaces its output; one named by the environment or the config is likely a
+        # running aggregator's, which it cut to the range's records unsaid.
+        if value and given is None and _holds_something(value):
+            raise UsageError(
+                f"hami-usage replay: {flag} {value} (from the environment or --config) is not "
+                f"empty: replay replaces its output, so only one given as {flag}"
+            )
     check_outputs("replay", cfg)
     window = window_settings(cfg)
     start_logging(logging.WARNING)
@@ -82,6 +92,14 @@ def _run(args: argparse.Namespace) -> int:
         line, stats = replay_local(Path(cfg.log), window, rng, cfg.csv, cfg.jsonl)
     print(line, file=sys.stderr)
     return damage_exit("replay", stats.damage, cfg.accept_damaged, True)
+
+
+def _holds_something(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False  # (missing: nothing to replace; unreadable: check_outputs says so)
+    return stat.S_ISREG(st.st_mode) and st.st_size > 0
 
 
 COMMAND = Command("replay", "recompute billing records for a past time range", _arguments, _run)
