@@ -262,5 +262,5 @@ def load(
         if sep:
             message = f"{where.rstrip('`').split('[')[0].split('.')[0]}: {head}"
         # msgspec quotes an unknown key as it is: a newline in it would make two lines.
-        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+        shown = check.one_line(message)
         raise ConfigError(f"invalid setting {shown}") from None

@@ -171,6 +171,12 @@ def address(name: str, value: str) -> None:
         raise ValueError(f"{name}: {shown(value)} is not an IP address or host name")
 
 
+def one_line(text: str) -> str:
+    """A message as one line: a character that is not printable (a newline in a path, in a
+    key) is shown escaped, `\\n`."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def shown(value: str) -> str:
     """A value quoted in a message: repr, cut short so that one line stays one short line."""
     return repr(value) if len(value) <= 60 else repr(value[:57]) + "..."

@@ -908,3 +908,23 @@ def test_a_settings_file_nested_too_deeply_is_one_line(
         expected = f"hami-usage collect: kubernetes configuration ({path}): values nested too "
         expected += "deeply"
     assert_one_line(proc, expected)
+
+
+@pytest.mark.parametrize("command", ["aggregate", "inspect", "report"])
+def test_a_path_with_a_newline_is_still_one_line(tmp_path: Path, command: str) -> None:
+    """A newline in a path (or a prices key) made the message two lines: every command's
+    line is printed with what is not printable escaped."""
+    bad = str(tmp_path / "no\nsuch")
+    shown = bad.replace("\n", "\\n")
+    args = {
+        "aggregate": ["aggregate", "--config", bad],
+        "inspect": ["inspect", bad],
+        "report": ["report", *REPORT_SPAN, "--csv", bad],
+    }[command]
+    proc = run(*args, cwd=tmp_path)
+    expected = {
+        "aggregate": f"hami-usage aggregate: config {shown}: No such file or directory",
+        "inspect": f"hami-usage inspect: {shown}: no such file",
+        "report": f"hami-usage report: {shown}: no such file",
+    }[command]
+    assert (proc.returncode, proc.stderr) == (2 if command == "aggregate" else 1, expected + "\n")

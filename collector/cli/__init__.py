@@ -7,12 +7,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 from . import aggregate, collect, decode, demo, inspect, replay, report, schema, simulate, topics
 from .aggregate import AGGREGATE_FLAGS
-from .args import Parser, UsageError
+from .args import Parser, UsageError, say
 from .collect import COLLECT_FLAGS
 from .inspect import format_table
 from .kafka import KAFKA_FLAGS
@@ -62,5 +61,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.func(args)
         return result
     except UsageError as exc:
-        print(str(exc), file=sys.stderr)
+        say(str(exc))
         return 2

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from pathlib import Path
 
 from ..aggregate.damage import EXIT_CHECKPOINT, CheckpointError
 from ..config import AggregateConfig
 from ..transport.locallog.checkpoint import CONSUMERS_DIR, GROUP_NAME, GroupInUseError
-from .args import Command, UsageError, iso_ms, switch
+from .args import Command, UsageError, iso_ms, say, switch
 from .kafka import kafka_flags, kafka_security, run_kafka, start_logging
 from .replay import REPLAY_FLAGS
 from .settings import load_settings, one_source
@@ -133,17 +132,17 @@ def _run(args: argparse.Namespace) -> int:
     try:
         run_kafka("aggregate", aggregate(settings))
     except CheckpointError as exc:
-        print(f"hami-usage aggregate: {exc}", file=sys.stderr)
+        say(f"hami-usage aggregate: {exc}")
         return EXIT_CHECKPOINT
     except ListenError as exc:
         raise UsageError(f"hami-usage aggregate: --health-port {exc}") from None
     except (OutputError, GroupInUseError) as exc:
-        print(f"hami-usage aggregate: {exc}", file=sys.stderr)
+        say(f"hami-usage aggregate: {exc}")
         return 1
     if cfg.drain and not settings.drained:
         # Stopped by a signal before the end of the input: what is written stands (a later
         # --drain resumes from the commit), but it is not the whole input.
-        print("hami-usage aggregate: --drain stopped before the end of the input", file=sys.stderr)
+        say("hami-usage aggregate: --drain stopped before the end of the input")
         return 1
     return damage_exit("aggregate", settings.stats.damage, cfg.accept_damaged, cfg.drain)
 

@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
+
+from .. import settings_check as check
+
+
+def say(message: str) -> None:
+    """A command's line on stderr: one line, whatever a path or a key in it holds."""
+    print(check.one_line(message), file=sys.stderr)
 
 
 class UsageError(Exception):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import settings_check as check
 from ..config import CollectConfig
 from ..transport.locallog import LogOpenError
-from .args import Command, UsageError, switch
+from .args import Command, UsageError, say, switch
 from .kafka import KAFKA_FLAGS, kafka_flags, kafka_security, start_logging
 from .settings import load_settings, machine
 from .topics import topic_plan
@@ -259,7 +258,7 @@ def _run(args: argparse.Namespace) -> int:
     except KubeConfigError as exc:
         raise UsageError(f"hami-usage collect: {exc}") from None
     except LogOpenError as exc:
-        print(f"hami-usage collect: {exc}", file=sys.stderr)
+        say(f"hami-usage collect: {exc}")
         return 1
     except ListenError as exc:
         raise UsageError(f"hami-usage collect: --metrics-port {exc}") from None

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .args import Command
+from .args import Command, say
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     except OSError as exc:  # a full disk, an I/O error: one line, not a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print(f"hami-usage decode: {exc.strerror or exc}", file=sys.stderr)
+        say(f"hami-usage decode: {exc.strerror or exc}")
         return 1
 
 

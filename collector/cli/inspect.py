@@ -11,7 +11,7 @@ import msgspec
 from .. import settings_check as check
 from ..layout.reader import read_snapshot
 from ..layout.snapshot import Snapshot, shown_path
-from .args import Command
+from .args import Command, say
 from .settings import flag_checks
 
 
@@ -29,17 +29,17 @@ def _run(args: argparse.Namespace) -> int:
     try:
         # Inside the try: is_dir() raises PermissionError under a directory we cannot search.
         if path.is_dir():
-            print(f"hami-usage inspect: {shown}: is a directory, not a cache file", file=sys.stderr)
+            say(f"hami-usage inspect: {shown}: is a directory, not a cache file")
             return 1
         if path.exists() and not path.is_file():
-            print(f"hami-usage inspect: {shown}: not a regular file", file=sys.stderr)
+            say(f"hami-usage inspect: {shown}: not a regular file")
             return 1
         snap = read_snapshot(path)
     except FileNotFoundError:
-        print(f"hami-usage inspect: {shown}: no such file", file=sys.stderr)
+        say(f"hami-usage inspect: {shown}: no such file")
         return 1
     except OSError as exc:
-        print(f"hami-usage inspect: {shown}: cannot open: {exc.strerror}", file=sys.stderr)
+        say(f"hami-usage inspect: {shown}: cannot open: {exc.strerror}")
         return 1
     if args.json:
         sys.stdout.buffer.write(msgspec.json.encode(snap) + b"\n")

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..config import KafkaClientConfig
 from ..transport.kafka import BrokerUnreachable
-from .args import UsageError, switch
+from .args import UsageError, say, switch
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -93,7 +92,7 @@ def kafka_errors(command: str) -> Iterator[None]:
     try:
         yield
     except BrokerUnreachable as exc:
-        print(f"hami-usage {command}: {exc}", file=sys.stderr)
+        say(f"hami-usage {command}: {exc}")
         raise SystemExit(1) from None
     except KafkaError as exc:
         refusal = classify(exc)
@@ -103,7 +102,7 @@ def kafka_errors(command: str) -> Iterator[None]:
             # aiokafka wraps what stopped its sender ("Unexpected error during batch
             # delivery"): e.g. InvalidProducerIdMapping, a broker that lost its state.
             detail += f" ({type(cause).__name__}: {cause})"
-        print(f"hami-usage {command}: {detail}", file=sys.stderr)
+        say(f"hami-usage {command}: {detail}")
         raise SystemExit(1) from None
 
 

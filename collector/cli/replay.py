@@ -7,11 +7,10 @@ import argparse
 import logging
 import os
 import stat
-import sys
 from pathlib import Path
 
 from ..config import ReplayConfig
-from .args import Command, UsageError, iso_ms
+from .args import Command, UsageError, iso_ms, say
 from .kafka import KAFKA_FLAGS, kafka_flags, reader, run_kafka, start_logging
 from .settings import load_settings, one_source
 from .windowing import (
@@ -90,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
         if not Path(cfg.log).is_dir():
             raise UsageError(f"hami-usage replay: --log {cfg.log}: not a directory")
         line, stats = replay_local(Path(cfg.log), window, rng, cfg.csv, cfg.jsonl)
-    print(line, file=sys.stderr)
+    say(line)
     return damage_exit("replay", stats.damage, cfg.accept_damaged, True)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import settings_check as check
 from ..config import KafkaClientConfig
-from .args import Command, UsageError, iso_ms
+from .args import Command, UsageError, iso_ms, say
 from .kafka import KAFKA_FLAGS, kafka_errors, kafka_flags, reader, start_logging
 from .settings import flag_checks, load_settings, machine
 
@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         with kafka_errors("report"):
             bill, summary = make_report(report_args)
     except LoadError as exc:
-        print(f"hami-usage report: {exc}", file=sys.stderr)
+        say(f"hami-usage report: {exc}")
         return 1
     if args.out_csv and not _write(args.out_csv, to_csv(bill)):
         return 1
@@ -130,7 +130,7 @@ def _write(path: str, text: str) -> bool:
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(part)
-        print(f"hami-usage report: {path}: {exc.strerror}", file=sys.stderr)
+        say(f"hami-usage report: {path}: {exc.strerror}")
         return False
     return True
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from .. import settings_check as check
 from ..layout.declarations import LAYOUTS
-from .args import Command, positive
+from .args import Command, positive, say
 from .settings import flag_checks, machine
 
 
@@ -62,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
             args.faults or frozenset(),
         )
     except OSError as exc:  # below the root, found while writing: a file where a folder goes
-        print(f"hami-usage simulate: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        say(f"hami-usage simulate: {exc.filename}: {exc.strerror}")
         return 1
     print(f"simulated {args.containers} containers for {steps} steps under {args.root}")
     return 0

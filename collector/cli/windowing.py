@@ -4,13 +4,12 @@ output files, and the exit status of a run that read damaged input."""
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import TYPE_CHECKING
 
 from .. import settings_check as check
 from ..aggregate.damage import EXIT_DAMAGED, DamageReport
 from ..config import AggregateConfig, ReplayConfig
-from .args import switch
+from .args import say, switch
 from .settings import machine
 
 if TYPE_CHECKING:
@@ -85,11 +84,10 @@ def damage_exit(command: str, damage: DamageReport, accept: bool, ends: bool) ->
     if not ends or not damage.damaged:
         return 0
     if accept:
-        print(f"hami-usage {command}: {damage.line()} (accepted)", file=sys.stderr)
+        say(f"hami-usage {command}: {damage.line()} (accepted)")
         return 0
-    print(
+    say(
         f"hami-usage {command}: input damaged, records may be incomplete: {damage.line()} "
         f"(exit {EXIT_DAMAGED}; --accept-damaged to accept)",
-        file=sys.stderr,
     )
     return EXIT_DAMAGED
