@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from decimal import Decimal
+from typing import Any
 
 import msgspec
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from collector.aggregate.records import BillingRecord, make_record_id
 from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.aggregate.windows.incarnations import DEDUP_WINDOW, Incarnations
+from collector.aggregate.windows.settings import NEVER
 from collector.events import (
     ContainerAppeared,
     ContainerGone,
@@ -466,6 +468,36 @@ def test_a_seq_exactly_the_window_behind_and_never_seen_is_admitted() -> None:
     assert incs.admit("n1", 1, 20_000 - DEDUP_WINDOW, 0)
     assert not incs.admit("n1", 1, 20_000 - DEDUP_WINDOW, 0)  # now seen
     assert not incs.admit("n1", 1, 20_000 - DEDUP_WINDOW - 1, 0)
+
+
+_INC_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.sampled_from("ab"), st.integers(0, 6),
+                  st.integers(-3, 30), st.integers(-5, 50)),
+        st.tuples(st.just("prune"), st.integers(-5, 60)),
+    ),
+    max_size=60,
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(_INC_OPS)
+def test_an_incarnations_successor_is_the_earliest_newer_one(ops: list[tuple[Any, ...]]) -> None:
+    """The successor was found by scanning every incarnation of the node for every event
+    (16 000 incarnations: 7.7 s to add their events, 34 s to close); it is now the next in an
+    ordered list, kept as incarnations come, move earlier, are forgotten, retired and restored.
+    It must stay the definition: the smallest (first_ts, inc) above the incarnation's own."""
+    incs = Incarnations()
+    for op in ops:
+        if op[0] == "admit":
+            incs.admit(*op[1:])
+        else:
+            incs.prune(set(), op[1])
+        for (node, inc), me in incs._incs.items():
+            newer = [(o.first_ts, i) for (n, i), o in incs._incs.items()
+                     if n == node and (o.first_ts, i) > (me.first_ts, inc)]  # fmt: skip
+            expected = min(newer) if newer else (NEVER, None)
+            assert incs.successor(node, inc) == expected
 
 
 def test_future_events_are_dropped_and_counted() -> None:

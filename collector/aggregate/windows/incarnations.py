@@ -31,6 +31,7 @@ timelines.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from typing import Final
 
@@ -70,11 +71,14 @@ class Incarnation:
 class Incarnations:
     """Every incarnation the aggregator knows, by (node, inc) and grouped by node."""
 
-    __slots__ = ("_by_node", "_forgotten", "_incs", "_retired", "several")
+    __slots__ = ("_by_node", "_forgotten", "_incs", "_order", "_retired", "several")
 
     def __init__(self) -> None:
         self._incs: dict[tuple[str, int], Incarnation] = {}
         self._by_node: dict[str, dict[int, Incarnation]] = {}
+        # Per node, (first_ts, inc) of its incarnations in order: the successor of one is the
+        # next (a scan of them all for every event was quadratic in a node's incarnations).
+        self._order: dict[str, list[tuple[int, int]]] = {}
         self._forgotten: dict[str, deque[int]] = {}  # per node, the incarnations last forgotten
         # per node whose incarnations are all forgotten: (inc, first_ts, last_ts) of its newest
         self._retired: dict[str, tuple[int, int, int]] = {}
@@ -93,6 +97,7 @@ class Incarnations:
             incarnation = self._incs[(node, inc)] = Incarnation()
             if inc in self._forgotten.get(node, ()):
                 incarnation.first_ts = -NEVER  # back after it was forgotten: the oldest
+            insort(self._order.setdefault(node, []), (incarnation.first_ts, inc))
             incs = self._by_node.setdefault(node, {})
             incs[inc] = incarnation
             if len(incs) > 1:
@@ -106,7 +111,10 @@ class Incarnations:
         elif incarnation.seen_before(seq):
             return False
         if ts < incarnation.first_ts:
+            order = self._order[node]
+            del order[bisect_left(order, (incarnation.first_ts, inc))]
             incarnation.first_ts = ts
+            insort(order, (ts, inc))
         if ts > incarnation.last_ts:
             incarnation.last_ts = ts
         return True
@@ -124,12 +132,12 @@ class Incarnations:
         mine = incs.get(inc)
         if mine is None:
             return NEVER, None
-        me = (mine.first_ts, inc)
-        cut, newer = (NEVER, 0), None
-        for other_inc, other in incs.items():
-            if me < (other.first_ts, other_inc) < cut:
-                cut, newer = (other.first_ts, other_inc), other_inc
-        return cut[0], newer
+        order = self._order[node]
+        at = bisect_right(order, (mine.first_ts, inc))
+        if at == len(order):
+            return NEVER, None
+        first_ts, newer = order[at]
+        return first_ts, newer
 
     def prune(self, live: set[tuple[str, int]], horizon: int) -> list[tuple[str, int]]:
         """Forget the older incarnations with no containers (`live` has those that have one)
@@ -158,11 +166,14 @@ class Incarnations:
         """Forget the node's last incarnation but for its place among the node's (`_restore`)."""
         last = self._by_node[node].pop(inc)
         del self._incs[(node, inc)]
+        del self._order[node]  # (its only one)
         self._retired[node] = (inc, last.first_ts, last.last_ts)
 
     def _forget(self, node: str, inc: int) -> None:
-        del self._by_node[node][inc]
+        gone = self._by_node[node].pop(inc)
         del self._incs[(node, inc)]
+        order = self._order[node]
+        del order[bisect_left(order, (gone.first_ts, inc))]
         forgotten = self._forgotten.setdefault(node, deque(maxlen=FORGOTTEN_PER_NODE))
         forgotten.append(inc)
 
@@ -175,3 +186,4 @@ class Incarnations:
         incarnation.last_ts = last_ts
         self._incs[(node, inc)] = incarnation
         self._by_node[node] = {inc: incarnation}
+        self._order[node] = [(first_ts, inc)]
