@@ -41,6 +41,8 @@ MAX_PERCENT = 10_000
 # stopped the aggregator at every restart.
 MAX_NAME = 253  # the node name a message is keyed by is held to it too (intake)
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+# A pod UID is never empty: a container record keyed by an empty one is its GPU's node row.
+PodUid = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
 Word = Annotated[str, msgspec.Meta(max_length=64)]  # a layout, an anomaly's kind, a reason
 Uuid = Annotated[str, msgspec.Meta(max_length=96)]
 PathText = Annotated[str, msgspec.Meta(max_length=4 * 4096)]
@@ -79,7 +81,7 @@ class ContainerState(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Everything live about one container, restated by each heartbeat."""
 
     cid: int
-    pod_uid: Name
+    pod_uid: PodUid
     container: Name
     layout: Word
     devices: list[DeviceLimit]
@@ -95,7 +97,7 @@ class Identity(msgspec.Struct, array_like=True, frozen=True, gc=False):
     the allowlisted namespace and pod labels (a pod label wins over a namespace label of the
     same key)."""
 
-    pod_uid: Name
+    pod_uid: PodUid
     namespace: Name
     pod: Name
     workload_kind: Name
@@ -112,7 +114,7 @@ class _Base(msgspec.Struct, array_like=True, frozen=True, gc=False, tag_field="k
 
 class ContainerAppeared(_Base, tag=1, frozen=True):
     cid: int
-    pod_uid: Name
+    pod_uid: PodUid
     container: Name
     path: PathText
     layout: Word

@@ -180,11 +180,14 @@ def test_names_longer_than_any_collector_sends_are_undecodable(
     hostile = Collector()
     huge = msgspec.structs.replace(hostile.appeared(T0_MS), container="\x01" * 200_000)
     long_key = Msg(b"n" * 254, msgspec.msgpack.encode(hostile.appeared(T0_MS)), T0_MS)
+    # (and an empty pod UID, whose records were its GPU's node row: usage and limits merged)
+    no_pod = Msg(b"node-a", msgspec.msgpack.encode(hostile.appeared(T0_MS, pod="")), T0_MS)
     log = tmp_path / "log"
-    write_log(log, [Msg(b"hostile", msgspec.msgpack.encode(huge), T0_MS), long_key, *stream])
+    write_log(log, [Msg(b"hostile", msgspec.msgpack.encode(huge), T0_MS), long_key, no_pod,
+                    *stream])  # fmt: skip
     rc, err = aggregate(log, tmp_path / "a.csv", "--accept-damaged")
     assert rc == 0, err
-    assert " undecodable=2 unknown_schema=0;" in err
+    assert " undecodable=3 unknown_schema=0;" in err
     assert read_csv(tmp_path / "a.csv") == csv_lines(reference(stream))
 
 

@@ -114,6 +114,7 @@ def test_name_without_underscore_and_every_symlink_are_skipped_and_reported(
     outside_file = touch_cache(outside, "evil.cache")
     ok = touch_cache(root / f"{POD}_main")
     touch_cache(root / "nounderscore")
+    touch_cache(root / "_main")  # no pod UID (its records would be its GPU's node row)
     (root / f"{POD}_link").symlink_to(outside / f"{POD}_escaped")
     (root / f"{POD}_other").mkdir()
     (root / f"{POD}_other" / "link.cache").symlink_to(outside_file)
@@ -126,7 +127,8 @@ def test_name_without_underscore_and_every_symlink_are_skipped_and_reported(
         Skipped(str(root / f"{POD}_alias"), SYMLINK),
         Skipped(str(root / f"{POD}_link"), SYMLINK),
         Skipped(str(root / f"{POD}_other" / "link.cache"), SYMLINK),
-        Skipped(str(root / "nounderscore"), "directory name has no '_' (podUID_container)"),
+        Skipped(str(root / "_main"), "directory name is not podUID_container"),
+        Skipped(str(root / "nounderscore"), "directory name is not podUID_container"),
     ]
 
 

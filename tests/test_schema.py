@@ -56,10 +56,13 @@ def strategy(tp: Any) -> st.SearchStrategy[Any]:
     if tp is bool:
         return st.booleans()
     origin = typing.get_origin(tp)
-    if origin is typing.Annotated:  # a string with a bound: up to it
+    if origin is typing.Annotated:  # a string with bounds: within them, the upper one too
         base, meta = typing.get_args(tp)
         assert base is str and isinstance(meta, msgspec.Meta) and meta.max_length is not None
-        return st.text(max_size=min(40, meta.max_length)) | st.just("é" * meta.max_length)
+        least = meta.min_length or 0
+        return st.text(min_size=least, max_size=min(40, meta.max_length)) | st.just(
+            "é" * meta.max_length
+        )
     if origin is list:
         (item,) = typing.get_args(tp)
         return st.lists(strategy(item), max_size=3)

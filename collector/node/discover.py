@@ -246,8 +246,8 @@ class Discovery:
                 skipped.append(Skipped(path, SYMLINK))
             elif not stat.S_ISDIR(st.st_mode):
                 continue
-            elif "_" not in name:
-                skipped.append(Skipped(path, "directory name has no '_' (podUID_container)"))
+            elif "_" not in name or name.startswith("_"):  # (an empty pod UID is no pod's)
+                skipped.append(Skipped(path, "directory name is not podUID_container"))
             else:
                 dirs.append((name, path, st.st_ctime_ns))
                 # (a folder removed has no links: its inode number may already be another's)
