@@ -20,6 +20,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from .layout.declarations import MAX_DEVICES
+
 SCHEMA_VERSION = 1
 # What msgspec's schemas are written in (`prefixItems`, `$defs`): said in every published schema,
 # since a validator that assumes an older draft silently ignores `prefixItems`.
@@ -48,6 +50,9 @@ Uuid = Annotated[str, msgspec.Meta(max_length=96)]
 PathText = Annotated[str, msgspec.Meta(max_length=4 * 4096)]
 LabelKey = Annotated[str, msgspec.Meta(max_length=317)]
 LabelValue = Annotated[str, msgspec.Meta(max_length=63)]
+# A container's devices: a cache file holds at most MAX_DEVICES (one LimitsChanged of 50 000
+# devices kept as many for the container's life, and each later sample cost 10 ms).
+Devices = Annotated[list["DeviceLimit"], msgspec.Meta(max_length=MAX_DEVICES)]
 
 # Every struct below is gc=False: events are plain trees of numbers and strings that can never
 # take part in a reference cycle, and at hundreds of thousands per second the cycle collector
@@ -84,7 +89,7 @@ class ContainerState(msgspec.Struct, array_like=True, frozen=True, gc=False):
     pod_uid: PodUid
     container: Name
     layout: Word
-    devices: list[DeviceLimit]
+    devices: Devices
     rows: list[UsageRow]
     # Whether Kubernetes has the container running, as the collector last said in a
     # `ContainerRun` (None: it has said nothing, so presence is not gated by it).
@@ -118,7 +123,7 @@ class ContainerAppeared(_Base, tag=1, frozen=True):
     container: Name
     path: PathText
     layout: Word
-    devices: list[DeviceLimit]
+    devices: Devices
 
 
 class ContainerGone(_Base, tag=2, frozen=True):
@@ -146,7 +151,7 @@ class UsageSample(_Base, tag=5, frozen=True):
 
 class LimitsChanged(_Base, tag=6, frozen=True):
     cid: int
-    devices: list[DeviceLimit]
+    devices: Devices
 
 
 class LayoutAnomaly(_Base, tag=7, frozen=True):

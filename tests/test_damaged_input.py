@@ -35,7 +35,7 @@ from test_windows import Collector, row, state
 
 from collector.aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED, DamageReport
 from collector.aggregate.records import iso_utc
-from collector.events import Event
+from collector.events import DeviceLimit, Event
 from collector.replay import missing_history
 from collector.transport.locallog import LocalLog, LogReader
 
@@ -182,12 +182,15 @@ def test_names_longer_than_any_collector_sends_are_undecodable(
     long_key = Msg(b"n" * 254, msgspec.msgpack.encode(hostile.appeared(T0_MS)), T0_MS)
     # (and an empty pod UID, whose records were its GPU's node row: usage and limits merged)
     no_pod = Msg(b"node-a", msgspec.msgpack.encode(hostile.appeared(T0_MS, pod="")), T0_MS)
+    # (and more devices than a cache file holds: each was kept for the container's life)
+    many = hostile.limits(T0_MS, [DeviceLimit(i, f"GPU-{i}", 1, 1) for i in range(17)])
+    many_devices = Msg(b"hostile", msgspec.msgpack.encode(many), T0_MS)
     log = tmp_path / "log"
     write_log(log, [Msg(b"hostile", msgspec.msgpack.encode(huge), T0_MS), long_key, no_pod,
-                    *stream])  # fmt: skip
+                    many_devices, *stream])  # fmt: skip
     rc, err = aggregate(log, tmp_path / "a.csv", "--accept-damaged")
     assert rc == 0, err
-    assert " undecodable=3 unknown_schema=0;" in err
+    assert " undecodable=4 unknown_schema=0;" in err
     assert read_csv(tmp_path / "a.csv") == csv_lines(reference(stream))
 
 

@@ -58,7 +58,10 @@ def strategy(tp: Any) -> st.SearchStrategy[Any]:
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:  # a string with bounds: within them, the upper one too
         base, meta = typing.get_args(tp)
-        assert base is str and isinstance(meta, msgspec.Meta) and meta.max_length is not None
+        assert isinstance(meta, msgspec.Meta) and meta.max_length is not None
+        if typing.get_origin(base) is list:  # (a bounded list: a few items, as any list)
+            return strategy(base)
+        assert base is str
         least = meta.min_length or 0
         return st.text(min_size=least, max_size=min(40, meta.max_length)) | st.just(
             "é" * meta.max_length
