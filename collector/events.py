@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from .layout.declarations import MAX_DEVICES
+from .layout.declarations import MAX_DEVICES, UUID_LEN
 
 SCHEMA_VERSION = 1
 # What msgspec's schemas are written in (`prefixItems`, `$defs`): said in every published schema,
@@ -36,17 +36,19 @@ MAX_PERCENT = 10_000
 
 # The longest string of each kind an event carries, from where it comes: a Kubernetes name is at
 # most 253 characters (a label value 63, a label key 317 with its prefix), a cache folder's name
-# at most 255 bytes, an NVML UUID or device name at most 96 bytes, a path at most 4096 (PATH_MAX;
-# a path or an anomaly's detail is given a quarter of it for each byte, which may be escaped).
-# No collector sends a longer one; a value beyond these is refused as undecodable. Unbounded, one
-# event with a megabyte name made its billing record too large for the billing topic, which
-# stopped the aggregator at every restart.
-MAX_NAME = 253  # the node name a message is keyed by is held to it too (intake)
+# (pod UID, '_', container) at most 255 bytes, NAME_MAX; an NVML UUID or device name at most 96
+# bytes, and a cache file's UUID field 96 bytes, shown with what is not printable ASCII escaped
+# (`\xff`: 4 characters a byte, since tenants write it); a path at most 4096 (PATH_MAX; a path or
+# an anomaly's detail is given 4 characters a byte too). No collector sends a longer one; a value
+# beyond these is refused as undecodable. Unbounded, one event with a megabyte name made its
+# billing record too large for the billing topic, which stopped the aggregator at every restart.
+MAX_NAME = 255  # the node name a message is keyed by is held to it too (intake)
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 # A pod UID is never empty: a container record keyed by an empty one is its GPU's node row.
 PodUid = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
 Word = Annotated[str, msgspec.Meta(max_length=64)]  # a layout, an anomaly's kind, a reason
-Uuid = Annotated[str, msgspec.Meta(max_length=96)]
+Nvml = Annotated[str, msgspec.Meta(max_length=96)]  # a UUID or a name NVML gives
+CacheUuid = Annotated[str, msgspec.Meta(max_length=4 * UUID_LEN)]  # a cache file's UUID, shown
 PathText = Annotated[str, msgspec.Meta(max_length=4 * 4096)]
 LabelKey = Annotated[str, msgspec.Meta(max_length=317)]
 LabelValue = Annotated[str, msgspec.Meta(max_length=63)]
@@ -63,7 +65,7 @@ class DeviceLimit(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A container's entitlement on one device (index into the cache file's device table)."""
 
     index: int
-    uuid: Uuid
+    uuid: CacheUuid
     limit_bytes: int
     sm_limit: int
 
@@ -192,17 +194,17 @@ class GpuInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One physical GPU (or MIG instance) as NVML sees it on the node."""
 
     index: int
-    uuid: Uuid
-    name: Uuid  # (NVML's buffer for a name is 96 bytes too)
+    uuid: Nvml
+    name: Nvml
     memory_total: int
     mig_mode: bool
-    parent_uuid: Uuid = ""  # for a MIG instance: the GPU it lives on
+    parent_uuid: Nvml = ""  # for a MIG instance: the GPU it lives on
 
 
 class DeviceUsageRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Whole-device usage from NVML, and the part of it no cache file accounts for."""
 
-    uuid: Uuid
+    uuid: Nvml
     memory_used: int
     utilization: int  # percent, device-wide
     unaccounted_bytes: int  # NVML per-process memory of processes no cache file knows

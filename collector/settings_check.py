@@ -17,11 +17,9 @@ import stat
 from decimal import Decimal
 from urllib.parse import urlsplit
 
-from . import events
-
 MAX_PATH = 4096  # PATH_MAX on Linux
 MAX_NAME = 249  # Kafka's limit on topic names; group and transactional ids are held to it too
-MAX_NODE = events.MAX_NAME  # a Kubernetes node name is a DNS subdomain; the aggregator's too
+MAX_NODE = 253  # a Kubernetes node name is a DNS subdomain
 MAX_BOOTSTRAP = 4096
 MAX_SETTING_FILE = 1 << 20  # a config or password file; more is no such file
 

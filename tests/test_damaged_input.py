@@ -179,7 +179,7 @@ def test_names_longer_than_any_collector_sends_are_undecodable(
     nodes' bill is as without them; names at the bounds are taken (the other tests' events)."""
     hostile = Collector()
     huge = msgspec.structs.replace(hostile.appeared(T0_MS), container="\x01" * 200_000)
-    long_key = Msg(b"n" * 254, msgspec.msgpack.encode(hostile.appeared(T0_MS)), T0_MS)
+    long_key = Msg(b"n" * 256, msgspec.msgpack.encode(hostile.appeared(T0_MS)), T0_MS)
     # (and an empty pod UID, whose records were its GPU's node row: usage and limits merged)
     no_pod = Msg(b"node-a", msgspec.msgpack.encode(hostile.appeared(T0_MS, pod="")), T0_MS)
     # (and more devices than a cache file holds: each was kept for the container's life)

@@ -29,6 +29,7 @@ from collector.events import (
     Heartbeat,
     Identity,
     LayoutAnomaly,
+    LimitsChanged,
     PodIdentity,
     ProcessStarted,
     UnknownSchemaVersion,
@@ -37,6 +38,8 @@ from collector.events import (
     decode,
     encode,
 )
+from collector.layout import reader
+from collector.layout.declarations import UUID_LEN
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKED_IN = REPO / "schemas" / "events.schema.json"
@@ -221,3 +224,34 @@ def test_both_schemas_name_their_dialect_and_billing_integers_are_bounded() -> N
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({**record, field: value}, billing)
     jsonschema.validate({**record, "peak_memory_bytes": (1 << 63) - 1}, billing)
+
+
+@settings(max_examples=300)
+@given(st.binary(min_size=UUID_LEN, max_size=UUID_LEN))
+def test_every_uuid_a_cache_file_can_hold_is_decodable(raw: bytes) -> None:
+    """A tenant writes its cache file's UUID field; the collector sends it as shown, each byte
+    that is not printable ASCII escaped to 4 characters. A bound on UUIDs below that made a
+    tenant's garbage UUID refuse the whole heartbeat part it was in, other containers too."""
+    shown, _ = reader._uuid(raw)
+    event = LimitsChanged(1, 1, 1, 1, 1, [DeviceLimit(0, shown, 0, 0)])
+    assert decode(encode(event)) == event
+
+
+_NAME_PART = st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",))
+_FOLDER_NAMES = st.one_of(
+    st.tuples(st.text(st.characters(blacklist_characters="/\0_", blacklist_categories=("Cs",)),
+                      min_size=1), st.text(_NAME_PART)).map("_".join),
+    st.just("a" * 254 + "_"),  # 255 bytes, the most a name holds (NAME_MAX): all pod UID
+    st.just("a_" + "b" * 253),  # ... all container
+).filter(lambda name: len(name.encode()) <= 255)  # fmt: skip
+
+
+@settings(max_examples=300)
+@given(_FOLDER_NAMES)
+def test_every_folder_name_the_collector_reads_is_decodable(name: str) -> None:
+    """The pod UID and container come from a folder's name: at most 255 bytes of UTF-8 (one
+    that is not UTF-8 is reported, never read), a '_' after a non-empty pod UID."""
+    pod_uid, container = name.split("_", 1)
+    state = ContainerState(1, pod_uid, container, "v1.2", [], [])
+    event = Heartbeat(1, 1, 1, 1, 30_000, 0, 1, [state])
+    assert decode(encode(event)) == event
