@@ -48,7 +48,8 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 PodUid = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
 Word = Annotated[str, msgspec.Meta(max_length=64)]  # a layout, an anomaly's kind, a reason
 Nvml = Annotated[str, msgspec.Meta(max_length=96)]  # a UUID or a name NVML gives
-CacheUuid = Annotated[str, msgspec.Meta(max_length=4 * UUID_LEN)]  # a cache file's UUID, shown
+MAX_CACHE_UUID = 4 * UUID_LEN
+CacheUuid = Annotated[str, msgspec.Meta(max_length=MAX_CACHE_UUID)]  # a cache file's UUID, shown
 PathText = Annotated[str, msgspec.Meta(max_length=4 * 4096)]
 LabelKey = Annotated[str, msgspec.Meta(max_length=317)]
 LabelValue = Annotated[str, msgspec.Meta(max_length=63)]

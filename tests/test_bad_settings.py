@@ -782,7 +782,8 @@ def test_a_bad_topics_table_is_the_running_commands_error(
     """`collect` and `aggregate` with `--kafka` read `[topics]` of their config to check the
     topics: an error there is theirs, not `hami-usage topics:`'s."""
     config = tmp_path / "c.toml"
-    where = ["--root", paths["root"], "--log", paths["log"]] if command == "collect" else []
+    new_log = tmp_path / "collect-log"  # (not made by a refused run)
+    where = ["--root", paths["root"], "--log", str(new_log)] if command == "collect" else []
     for table, message in [
         ("usage_partitions = 0", "usage_partitions: Expected `int` >= 1"),
         # (it was exit 2 in `topics` alone: the services warned of every topic's config)
@@ -792,6 +793,7 @@ def test_a_bad_topics_table_is_the_running_commands_error(
         proc = run(command, "--config", str(config), "--kafka", "127.0.0.1:9", *where,
                    cwd=tmp_path)  # fmt: skip
         assert_one_line(proc, f"hami-usage {command}: invalid setting {message}")
+        assert not new_log.exists()
 
 
 @pytest.mark.parametrize("command", ["aggregate", "topics", "collect"])
@@ -868,8 +870,9 @@ def test_a_group_too_long_for_a_local_checkpoint_is_one_line(
         (["--start-from", "bogus"], "--start-from 'bogus': not an ISO-8601 time"),
         (["--group", "g" * 201], "--group: with a local log, at most 200 of A-Z a-z 0-9 . _ -"),
         (["--kafka-username", "u"], "SASL"),
+        (["--log", "no-such-log"], "--log no-such-log: not a directory"),
     ],
-    ids=["start-from", "group", "security"],
+    ids=["start-from", "group", "security", "log"],
 )
 def test_a_refused_aggregate_makes_no_output_folder(
     paths: dict[str, str], tmp_path: Path, flags: list[str], message: str

@@ -11,10 +11,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from collector.events import Heartbeat, Identity, LayoutAnomaly, PodIdentity
+from collector.events import Heartbeat, Identity, LayoutAnomaly, PodIdentity, decode, encode
 from collector.layout.declarations import V12
 from collector.node.allocation import AllocatedDevice
-from collector.node.identity import IdentityStage
+from collector.node.identity import DETAIL_MAX, IdentityStage
 from collector.node.pods import PodView
 from collector.node.scan import Scanner
 from collector.simulate import GiB, SimDevice, new_cache_file, pod_dir
@@ -131,3 +131,23 @@ def test_presence_by_processes_keeps_and_restates_the_identity_between_processes
     scanner.scan(now_ms=13_000)
     assert stage.sent == {}
     writer.close()
+
+
+def test_an_allocation_mismatch_of_a_whole_annotation_is_cut_to_a_decodable_detail(
+    tmp_path: Path,
+) -> None:
+    """An annotation of 1 000 allocated devices (57 000 characters, within the 64 KiB the
+    parser takes) gave a detail of 79 067 characters, one problem each: more than an event's
+    detail may hold, so the anomaly was undecodable and its seq a gap."""
+    root = tmp_path / "root"
+    new_cache_file(root, POD_A, "main", V12, [SimDevice("GPU-a", 4 * GiB, 30)])
+    uuids = [f"GPU-{i:06d}-{'f' * 30}" for i in range(1000)]
+    allocated = [AllocatedDevice(uuid, "NVIDIA", 4096, 30) for uuid in uuids]
+    view = {POD_A: view_of(ident(POD_A, "ml", "p"), [allocated])}
+    scanner = Scanner(root, heartbeat_s=10, inc=1, identity=IdentityStage(lambda: view))
+    (anomaly,) = [e for e in scanner.scan(now_ms=1_000) if isinstance(e, LayoutAnomaly)]
+    assert decode(encode(anomaly)) == anomaly
+    first = f"container main (index 0): GPU-000000-{'f' * 30} allocated but not in the cache file"
+    assert anomaly.detail.startswith(first + "; ")
+    assert len(anomaly.detail) == DETAIL_MAX + len("... (77067 more characters)")
+    assert anomaly.detail.endswith("... (77067 more characters)")

@@ -623,7 +623,7 @@ def test_an_overlong_attribute_is_not_sent_and_blocks_nothing(
     monkeypatch.setattr(otlp, "MAX_POINTS_PER_REQUEST", 20)
     receiver.max_body = 20_000  # 20 points of real names are about 5 000 bytes
     long = "x" * 30_000
-    edge = "y" * 256  # MAX_ATTRIBUTE_CHARS
+    edge = "y" * 384  # MAX_ATTRIBUTE_CHARS: a cache file's UUID as the collector shows it
     records = [make_record(1, long, 1.0)] + [make_record(1, f"c{i}", 1.0) for i in range(5)]
     records.append(make_record(1, edge, 1.0, pod_uid="uid-edge"))
     gauges = [Gauge("node-a", f"uid-{c}", c, GPU, 1, 2, 3, 4) for c in (long, "c0")]

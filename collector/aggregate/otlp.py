@@ -90,6 +90,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.resources import Resource
 
+from ..events import MAX_CACHE_UUID, MAX_NAME
 from .records import BillingRecord, Gauge
 
 __all__ = [
@@ -270,12 +271,13 @@ _OVERFLOW_SERIES: Final[_Series] = ((_OVERFLOW_ATTRIBUTE, True),)
 # container series).
 MAX_POINTS_PER_REQUEST: Final = 5000
 
-# The longest attribute value sent. Kubernetes names are at most 253 characters and a cache
-# folder's name at most 255 bytes, so no real series is longer; without a bound, one record
+# The longest attribute value sent: the longest string an event may carry into one (a cache
+# file's UUID as the collector shows it; names are at most 255). Without a bound, one record
 # with a megabyte name (events come from any producer on the topic) made its request too large
 # for the collector, and the SDK stops a push at its first failed request: every series after
-# it went unsent at every push.
-MAX_ATTRIBUTE_CHARS: Final = 256
+# it went unsent at every push. (The events' own bounds now refuse such a name at intake; this
+# one stays for records from anywhere else.)
+MAX_ATTRIBUTE_CHARS: Final = max(MAX_NAME, MAX_CACHE_UUID)
 
 
 class _RedirectRefused(requests.RequestException):

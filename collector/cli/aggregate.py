@@ -99,11 +99,13 @@ def _run(args: argparse.Namespace) -> int:
     start_from = _start_from(cfg.start_from)
     security = kafka_security(cfg, "aggregate")  # (checked even when no broker is given)
     topics = topic_plan(args, "aggregate", cfg.topic, cfg.billing_topic) if cfg.kafka else None
-    if not cfg.kafka and not GROUP_NAME.match(cfg.group):  # (its checkpoint file's name)
-        raise UsageError(
-            "hami-usage aggregate: --group: with a local log, at most 200 of A-Z a-z 0-9 "
-            ". _ - (not . or - first)"
-        )
+    if not cfg.kafka:
+        if not GROUP_NAME.match(cfg.group):  # (its checkpoint file's name)
+            raise UsageError(
+                "hami-usage aggregate: --group: with a local log, at most 200 of A-Z a-z 0-9 "
+                ". _ - (not . or - first)"
+            )
+        _checkpoint_writable(Path(cfg.log))
     check_outputs("aggregate", cfg)
     settings = AggregateSettings(
         window=window_settings(cfg),
@@ -126,8 +128,6 @@ def _run(args: argparse.Namespace) -> int:
     if topics is not None:
         settings.security = security
         settings.topics = topics.specs()
-    else:
-        _checkpoint_writable(Path(cfg.log))
     start_logging(logging.INFO)
     try:
         run_kafka("aggregate", aggregate(settings))

@@ -206,6 +206,7 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise check.SettingError(f"{exc} (from $NODE_NAME or the host name)") from None
     security = kafka_security(cfg, "collect")  # (checked even when no broker is given)
+    usage = topic_plan(args, "collect", cfg.topic, "").usage() if cfg.kafka else None
     with machine("collect"):
         check.cache_root("--root", cfg.root)
         if cfg.host_proc is not None and not os.path.isdir(cfg.host_proc):
@@ -214,14 +215,14 @@ def _run(args: argparse.Namespace) -> int:
             check.compression_available("--compression", cfg.compression)
         check.writable_dir("--log", cfg.log)
     kafka = None
-    if cfg.kafka:
+    if cfg.kafka and usage is not None:
         kafka = ProducerSettings(
             cfg.kafka,
             topic=cfg.topic,
             linger_ms=cfg.linger_ms,
             compression=cfg.compression,
             security=security,
-            expect=(topic_plan(args, "collect", cfg.topic, "").usage(),),
+            expect=(usage,),
         )
     settings = CollectSettings(
         root=root,

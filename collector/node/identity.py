@@ -24,6 +24,7 @@ from .diff import FileState, Stamp
 from .pods import PodView
 
 ALLOCATION_MISMATCH = "allocation_mismatch"
+DETAIL_MAX = 2000  # characters of an allocation_mismatch detail shown (events bound it too)
 
 
 class IdentityStage:
@@ -94,6 +95,11 @@ class IdentityStage:
             found = allocation.mismatch(allocated, st.devices)
             if found is not None:
                 detail = f"container {st.container} (index {index}): {found}"
+        if detail is not None and len(detail) > DETAIL_MAX:
+            # (a problem per allocated UUID of an annotation of up to 64 KiB: beyond what an
+            # event's detail may hold, the whole anomaly was undecodable)
+            cut = len(detail) - DETAIL_MAX
+            detail = f"{detail[:DETAIL_MAX]}... ({cut} more characters)"
         previous = seen[2] if seen is not None else None
         self._alloc[st.cid] = (pv, st.devices, detail)
         if detail is not None and detail != previous:
