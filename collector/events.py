@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import msgspec
 
 from .layout.declarations import MAX_DEVICES, UUID_LEN
+from .settings_check import MAX_PATH
 
 SCHEMA_VERSION = 1
 # What msgspec's schemas are written in (`prefixItems`, `$defs`): said in every published schema,
@@ -47,10 +48,10 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 # A pod UID is never empty: a container record keyed by an empty one is its GPU's node row.
 PodUid = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
 Word = Annotated[str, msgspec.Meta(max_length=64)]  # a layout, an anomaly's kind, a reason
-Nvml = Annotated[str, msgspec.Meta(max_length=96)]  # a UUID or a name NVML gives
+Nvml = Annotated[str, msgspec.Meta(max_length=UUID_LEN)]  # a UUID or a name NVML gives
 MAX_CACHE_UUID = 4 * UUID_LEN
 CacheUuid = Annotated[str, msgspec.Meta(max_length=MAX_CACHE_UUID)]  # a cache file's UUID, shown
-PathText = Annotated[str, msgspec.Meta(max_length=4 * 4096)]
+PathText = Annotated[str, msgspec.Meta(max_length=4 * MAX_PATH)]
 LabelKey = Annotated[str, msgspec.Meta(max_length=317)]
 LabelValue = Annotated[str, msgspec.Meta(max_length=63)]
 # A container's devices: a cache file holds at most MAX_DEVICES (one LimitsChanged of 50 000

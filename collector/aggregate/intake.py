@@ -59,11 +59,10 @@ def add_record(
     offset: int,
     record_ts_ms: int,
 ) -> None:
-    # A tombstone, or a key longer than any node name: no usable event.
-    if value is None or (key is not None and len(key) > MAX_NAME):
+    node = _node(key)
+    if value is None or node is None:  # a tombstone, or a key no node name can be
         stats.undecodable += 1
         return
-    node = (key or b"").decode("utf-8", "replace")
     if value[1:2] != _SAMPLE or not _sample(agg, stats, node, value, source, offset, record_ts_ms):
         _event(agg, stats, node, value, source, offset, record_ts_ms)
 
@@ -72,21 +71,28 @@ def add_kafka_records(
     agg: Aggregator, stats: InputStats, source: int, records: Iterable[Any]
 ) -> None:
     """`add_record` for each of a partition's fetched aiokafka `ConsumerRecord`s, in order."""
-    node = ""
+    node: str | None = ""
     node_key: bytes | None = b""
     for m in records:
         key = m.key
         if key != node_key:  # a partition's records come from a few nodes, often in runs
             node_key = key
-            node = (key or b"").decode("utf-8", "replace")
+            node = _node(key)
         value = m.value
-        if value is None or (key is not None and len(key) > MAX_NAME):  # (see add_record)
+        if value is None or node is None:  # (see add_record)
             stats.undecodable += 1
             continue
         if value[1:2] != _SAMPLE or not _sample(
             agg, stats, node, value, source, m.offset, m.timestamp
         ):
             _event(agg, stats, node, value, source, m.offset, m.timestamp)
+
+
+def _node(key: bytes | None) -> str | None:
+    """The node a message is keyed by; None for a key longer than any node name."""
+    if key is not None and len(key) > MAX_NAME:
+        return None
+    return (key or b"").decode("utf-8", "replace")
 
 
 def _sample(
