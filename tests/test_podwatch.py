@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 from kube_apiserver import ApiServer, flag, make_pod, owner_ref
@@ -511,6 +512,46 @@ async def test_owners_without_a_controller_leave_the_pod_its_own_workload(
     async with watching(server, tmp_path) as watch:
         await asyncio.wait_for(watch.synced.wait(), 30)
         assert workload(watch, uid) == ("Pod", "notebook-0")
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [
+        ("Thing", "w" * 300),  # past an event's Name: every heartbeat of the node undecodable
+        ("Thing", "job\rx"),  # a CR splits a CSV row; a newline forges a log line
+        ("=HYPERLINK(1)", "x"),
+        ("Thing", "x\x1b[1A\x1b[2KPod/db-0"),
+        ("Thing", "a/b"),
+        ("Thing", ".."),
+    ],
+    ids=["300-chars", "cr", "formula-kind", "escape", "slash", "dotdot"],
+)
+async def test_a_controller_reference_no_object_can_have_leaves_the_pod_its_own_workload(
+    server: ApiServer, tmp_path: Path, kind: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pod = make_pod("ml", "notebook-0", NODE, ["main"])
+    pod["metadata"]["ownerReferences"] = [owner_ref(kind, name, "uid-x", "example.com/v1")]
+    uid = server.put_pod(pod)["metadata"]["uid"]
+    real = server.add_owned_pod("ml", "RayCluster", "ray-1.v2", "ray-1-head", ["main"])
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        assert workload(watch, uid) == ("Pod", "notebook-0")
+        assert workload(watch, real["metadata"]["uid"]) == ("RayCluster", "ray-1.v2")
+        identity = watch.view[uid].identity
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(identity), type=Identity) == identity
+    warned = [r.getMessage() for r in caplog.records if "names no object" in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0] and "\r" not in warned[0]
+
+
+async def test_a_deployment_reference_no_object_can_have_leaves_the_replicaset(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    uid = server.add_deployment_pod("web", "api", ["a"])["metadata"]["uid"]
+    rs = server.replicasets[("web", "api-5d8f7c9b4")]
+    rs["metadata"]["ownerReferences"][0]["name"] = "d" * 300
+    async with watching(server, tmp_path) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        assert workload(watch, uid) == ("ReplicaSet", "api-5d8f7c9b4")
 
 
 async def test_429_waits_for_retry_after(server: ApiServer, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ keeps watch handling cheap: a real pod is 5-20 KB of JSON, mostly fields nobody 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import msgspec
@@ -13,12 +14,31 @@ import msgspec
 from ..events import Identity
 from .allocation import Allocation
 
+# A kind is a Go type's name; an object's name is at most a DNS subdomain's 253 characters,
+# and a path segment (no '/', '%', never '.' or '..').
+_KIND = re.compile(r"[A-Za-z][A-Za-z0-9]{0,62}")
+_NAME_MAX = 253
+
 
 class OwnerReference(msgspec.Struct, frozen=True, rename="camel"):
     kind: str = ""
     name: str = ""
     uid: str = ""
     controller: bool = False
+
+    def names_an_object(self) -> bool:
+        """Whether `kind` and `name` could be a real object's. The API server checks only that
+        they are not empty, so whoever creates a pod can write anything there (a kind nothing
+        resolves leaves the pod to run): a name of 300 characters made every heartbeat of its
+        node undecodable, a newline forged log and CSV lines."""
+        name = self.name
+        return (
+            _KIND.fullmatch(self.kind) is not None
+            and 0 < len(name) <= _NAME_MAX
+            and name.isprintable()
+            and not any(c in name for c in " /%")
+            and name not in (".", "..")
+        )
 
 
 class ObjectMeta(msgspec.Struct, frozen=True, rename="camel"):

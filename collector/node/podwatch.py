@@ -48,6 +48,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from tenacity.wait import wait_base, wait_exponential, wait_random
 
 from ..events import Identity
+from ..settings_check import one_line, shown
 from . import allocation
 from .pods import (
     ObjectMeta,
@@ -221,9 +222,22 @@ class Owners:
         self._stats = stats
         self._cache: dict[str, tuple[float, tuple[str, str]]] = {}
         self._warned: set[str] = set()
+        self._refused: set[str] = set()  # namespaces with a controller reference refused
 
     async def workload(self, meta: ObjectMeta, now: float) -> tuple[str, str]:
         ref = meta.controller()
+        if ref is not None and not ref.names_an_object():
+            if meta.namespace not in self._refused:
+                self._refused.add(meta.namespace)
+                log.warning(
+                    "pod %s/%s: its controller reference %s/%s names no object that can be; "
+                    "named as its own workload (logged once per namespace)",
+                    meta.namespace,
+                    meta.name,
+                    shown(one_line(ref.kind)),
+                    shown(one_line(ref.name)),
+                )
+            ref = None
         if ref is None:
             return ("Pod", meta.name)
         if ref.kind not in ("ReplicaSet", "Job"):
@@ -274,9 +288,9 @@ class Owners:
             owner = object_decoder.decode(await resp.read()).metadata.controller()
         finally:
             resp.release()
-        if owner is not None and owner.kind in ("Deployment", "CronJob"):
-            return owner
-        return None
+        if owner is None or owner.kind not in ("Deployment", "CronJob"):
+            return None
+        return owner if owner.names_an_object() else None
 
 
 def _by_convention(kind: str, name: str, labels: Mapping[str, str]) -> tuple[str, str]:
