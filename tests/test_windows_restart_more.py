@@ -231,6 +231,31 @@ def test_a_container_run_reordered_within_the_lateness_is_placed_whenever_advanc
     )  # fmt: skip
 
 
+def test_a_stopped_container_announced_again_after_a_silence_bills_whenever_advance_runs() -> None:
+    """Kubernetes says at 10 s that the container stopped; it is silent (another container of
+    the node keeps event time moving) until the collector announces it again at 300 s, past
+    its name's retention (250 s after its last event). Its gate goes with its name, so the
+    bill after 300 s is the same whether `advance()` closed windows in the silence (the track
+    dropped) or not (it used to be billed only in the first case: 90 s of limits)."""
+    c = Collector()
+    msgs: list[Event] = [c.appeared(0), c.appeared(0, cid=2, pod="pod-b")]
+    msgs.append(ContainerRun(1, c.inc, c._n(), 10_000, 1, False, 10_000, "Completed"))
+    for t in range(10_000, 400_001, 10_000):
+        msgs.append(c.sample(t, row(1, 100), cid=2))
+        if t == 300_000:
+            msgs.append(c.appeared(t))
+    bills = []
+    for every in (1, 7, len(msgs)):
+        agg = Aggregator(S)
+        out = feed(agg, msgs, 0, every=every) + agg.flush()
+        bills.append([(r.window_start_ms // 1000, r.memory_limit_byte_seconds, r.observed_seconds)
+                      for r in container(out) if r.pod_uid == "pod-a"])  # fmt: skip
+    assert bills == [bills[0]] * 3
+    assert bills[0] == [(0, Decimal("10000"), Decimal("10")),
+                        (300, Decimal("60000"), Decimal("60")),
+                        (360, Decimal("30000"), Decimal("30"))]  # fmt: skip
+
+
 # --- pod names ----------------------------------------------------------------------------
 
 

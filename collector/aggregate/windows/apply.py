@@ -316,10 +316,15 @@ def learn(
 
 
 def forget(ig: Integrator, tr: Track) -> None:
-    """Drop the name and device table; the window so far is handed out under them first."""
+    """Drop the name, the device table and the running gate; the window so far is handed out
+    under them first. The gate goes with the name: a track that has neither is what a new one
+    would be, so `Aggregator._prune` may drop it whenever `advance()` runs (keeping a False gate
+    across a silence billed a re-announced container only when no window closed in between)."""
     ig.output.emit(tr)
     tr.pod_uid = None
     tr.container = ""
+    tr.run = None
+    tr.run_seq = tr.run_off = -1
     for d in tr.devs.values():
         d.settle()
         d.uuid = None
