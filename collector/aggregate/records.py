@@ -22,6 +22,8 @@ from typing import Final
 
 import msgspec
 
+from ..csvtext import cell
+
 __all__ = [
     "CSV_FIELDS",
     "KINDS",
@@ -331,14 +333,14 @@ def csv_row(record: BillingRecord) -> list[str]:
     return [
         iso_utc(r.window_start_ms),
         iso_utc(r.window_end_ms),
-        r.node,
-        r.pod_uid,
-        r.container,
-        r.device_uuid,
-        r.namespace,
-        r.pod,
-        r.workload_kind,
-        r.workload,
+        cell(r.node),
+        cell(r.pod_uid),
+        cell(r.container),
+        cell(r.device_uuid),
+        cell(r.namespace),
+        cell(r.pod),
+        cell(r.workload_kind),
+        cell(r.workload),
         _labels_json(r.labels),
         decimal_text(r.memory_byte_seconds),
         decimal_text(r.memory_limit_byte_seconds),
@@ -351,7 +353,7 @@ def csv_row(record: BillingRecord) -> list[str]:
         r.record_id,
         str(r.revision),
         r.kind,
-        r.gpu_model,
+        cell(r.gpu_model),
         str(r.gpu_memory_bytes),
         decimal_text(r.allocated_gpu_seconds),
         decimal_text(r.used_gpu_seconds),

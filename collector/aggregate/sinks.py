@@ -10,7 +10,6 @@ empty file (so also after a truncation back to 0).
 from __future__ import annotations
 
 import contextlib
-import csv
 import io
 import logging
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, Self
 
+from ..csvtext import Writer
 from .records import CSV_FIELDS, BillingRecord, csv_row, jsonl_line
 
 __all__ = ["CsvSink", "FileSink", "JsonlSink"]
@@ -106,7 +106,7 @@ class FileSink:
 
 def _csv_bytes(rows: list[list[str]]) -> bytes:
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(rows)
+    Writer(buf).writerows(rows)
     return buf.getvalue().encode()
 
 

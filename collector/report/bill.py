@@ -10,13 +10,13 @@ observed hours × their prices (every millisecond of a GPU is either allocated o
 
 from __future__ import annotations
 
-import csv
 import io
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from typing import Final
 
+from ..csvtext import Writer, cell
 from .prices import Prices
 from .summary import HOUR_MS, Summary, column
 
@@ -173,13 +173,14 @@ def csv_header(bill: Bill) -> list[str]:
 def to_csv(bill: Bill) -> str:
     """One row per group, one idle row per GPU model, the rounding residue and the total."""
     buf = io.StringIO()
-    out = csv.writer(buf, lineterminator="\n")
+    out = Writer(buf)
     n = len(bill.by)
     at = bill.by.index("gpu-model") if "gpu-model" in bill.by else None
 
     def write(row: list[object]) -> None:
         """A row laid out as kind, --by values, gpu_model, numbers: the gpu_model value moves
         into the --by gpu-model column when there is one (csv_header)."""
+        row[1 : 2 + n] = [cell(str(v)) for v in row[1 : 2 + n]]  # (names, a tenant's UUID)
         if at is not None:
             model = row.pop(1 + n)
             if model:

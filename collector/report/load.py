@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from .. import csvtext
 from ..aggregate.columns import to_table
 from ..aggregate.records import (
     CSV_FIELDS,
@@ -94,7 +95,7 @@ def _csv_record(row: dict[str | None, Any]) -> BillingRecord:
         elif name == "overcommitted":
             obj[name] = text == "true"
         elif name in CSV_FIELDS:
-            obj[name] = text
+            obj[name] = csvtext.text(text)
     record = msgspec.convert(obj, BillingRecord)
     if record.kind not in KINDS:  # (the JSON and msgpack codecs check it as they decode)
         raise ValueError(f"kind {record.kind!r} is not one of {', '.join(KINDS)}")
