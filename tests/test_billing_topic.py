@@ -129,6 +129,43 @@ def test_topics_prints_creates_and_checks(kafka_bootstrap: str, names: dict[str,
     )
 
 
+def test_services_started_before_the_topics_job_create_their_topics_as_planned(
+    kafka_bootstrap: str, names: dict[str, str], tmp_path: Path
+) -> None:
+    """kustomize applies the workloads and the topics Job together, and Helm's hook runs the
+    Job after them. A broker that creates topics on first use (Kafka's default, and this test
+    broker's) gave the collector's first send a usage topic of the broker's partitions, kept
+    7 days, and the aggregator's first transaction a billing topic that deletes after 7 days
+    (not compacted, not kept): the Job then found both wrong and exited 1. The services now
+    create a missing topic as `[topics]` plans it."""
+    config = tmp_path / "config.toml"
+    config.write_text(
+        "[topics]\nusage_partitions = 2\nbilling_partitions = 1\nreplication_factor = 1\n"
+        "min_insync_replicas = 1\n"
+    )
+    root = tmp_path / "root"
+    root.mkdir()
+    collect = hami(
+        "collect", "--config", config, "--kafka", kafka_bootstrap, "--topic", names["usage"],
+        "--root", root, "--log", tmp_path / "spool", "--node", "n1", "--max-scans", "2",
+        "--interval", "0.1", "--no-nvml", "--metrics-port", "0",
+    )  # fmt: skip
+    assert collect.returncode == 0, collect.stderr
+    assert f"created topic {names['usage']} as [topics] plans it" in collect.stderr
+    drain = hami(
+        "aggregate", "--config", config, "--kafka", kafka_bootstrap, "--topic", names["usage"],
+        "--billing-topic", names["billing"], "--group", f"g-{names['usage']}",
+        *WINDOW_FLAGS, "--csv", tmp_path / "billing.csv", "--drain",
+    )  # fmt: skip
+    assert drain.returncode == 0, drain.stderr
+    assert f"created topic {names['billing']} as [topics] plans it" in drain.stderr
+    assert "missing" not in collect.stderr + drain.stderr
+    job = hami("topics", "--config", config, "--kafka", kafka_bootstrap, "--topic", names["usage"],
+               "--billing-topic", names["billing"], "--apply")  # fmt: skip
+    assert job.returncode == 0, job.stdout
+    assert "created" not in job.stdout and job.stdout.count("  ok\n") == 2, job.stdout
+
+
 def test_billing_topic_for_any_consumer(
     kafka_bootstrap: str, names: dict[str, str], tmp_path: Path
 ) -> None:

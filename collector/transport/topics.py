@@ -1,8 +1,9 @@
 """The usage and billing topics as they should be: provisioned, never auto-created.
 
 `hami-usage topics` prints the plan, and with `--apply` creates what is missing; every service
-checks the topics it uses at start and warns about each difference (never fails on one: the
-operator may have good reasons, and billing must not stop for a retention setting).
+checks the topics it uses at start, creates one that is missing as planned, and warns about
+each difference (never fails on one: the operator may have good reasons, and billing must not
+stop for a retention setting).
 """
 
 from __future__ import annotations
@@ -183,22 +184,59 @@ def admin_client(bootstrap: str, security: KafkaSecurity) -> Any:
     )
 
 
+async def _created_and_described(
+    admin: Any, specs: list[TopicSpec], created: list[str]
+) -> dict[str, TopicState | None]:
+    """The state of `specs`; a topic just `created` reaches the brokers' metadata a moment
+    later (seconds on a loaded broker): waited for rather than taken for missing."""
+    states = await describe(admin, [s.name for s in specs])
+    deadline = time.monotonic() + _CREATED_VISIBLE_S
+    while any(states[name] is None for name in created) and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        states = await describe(admin, [s.name for s in specs])
+    return states
+
+
 async def check(
     bootstrap: str, security: KafkaSecurity, specs: list[TopicSpec]
 ) -> dict[str, list[str]]:
-    """Differences per topic name, for `specs`."""
+    """Differences per topic name, for `specs`, once a missing one is created as planned.
+
+    A service's first request for a topic that does not exist has a broker that creates topics
+    on first use (`auto.create.topics.enable`, Kafka's default) create it with its own
+    defaults: a billing topic that deletes after 7 days instead of being compacted and kept,
+    a usage topic of the broker's partition count, which cannot change once in use. Services
+    and the `topics` Job start in no set order (kustomize applies them together, Helm's hook
+    runs after them), so the service creates it first, as `topics --apply` would; a principal
+    that may not create topics gets the warning, and the Job creates it."""
     admin = admin_client(bootstrap, security)
     await admin.start()
     try:
         states = await describe(admin, [s.name for s in specs])
+        missing = [s for s in specs if states[s.name] is None]
+        created: list[str] = []
+        if missing:
+            try:
+                created = await create_missing(admin, missing)
+            except Exception as exc:  # (no Create ACL, too few brokers): the Job's to create
+                log.warning(
+                    "could not create the missing topic%s %s as planned (%s: %s)",
+                    "s" if len(missing) > 1 else "",
+                    ", ".join(s.name for s in missing),
+                    type(exc).__name__,
+                    exc,
+                )
+            for name in created:
+                log.info("created topic %s as [topics] plans it (it did not exist)", name)
+            states = await _created_and_described(admin, specs, created)
     finally:
         await admin.close()
     return {s.name: differences(s, states[s.name]) for s in specs}
 
 
 async def warn_on_mismatch(bootstrap: str, security: KafkaSecurity, specs: list[TopicSpec]) -> int:
-    """A service's start-up check: one warning per difference, never an exception. Returns the
-    number of differences found (-1: the check itself could not run)."""
+    """A service's start-up check (`check`): one warning per difference, never an exception.
+    Returns the number of differences found (-1: the check itself could not run)."""
     try:
         found = await check(bootstrap, security, specs)
     except Exception as exc:  # a check, not a gate: any failure is a warning
@@ -233,13 +271,7 @@ async def apply_plan(
         created = await create_missing(admin, specs) if apply else []
         for name in created:
             out.write(f"created {name}\n")
-        states = await describe(admin, [s.name for s in specs])
-        # A topic just created reaches the brokers' metadata a moment later (seconds on a
-        # loaded broker): wait for it rather than print it as missing.
-        deadline = time.monotonic() + _CREATED_VISIBLE_S
-        while any(states[name] is None for name in created) and time.monotonic() < deadline:
-            await asyncio.sleep(0.25)
-            states = await describe(admin, [s.name for s in specs])
+        states = await _created_and_described(admin, specs, created)
     finally:
         await admin.close()
     ok = True
