@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The operators' tools the tests run for real, each installed once and cached:
-#   scripts/tools.sh promtool|prometheus|otelcol|helm|compose-check|all
+#   scripts/tools.sh promtool|prometheus|otelcol|helm|kustomize|compose-check|all
 # prints the path of each named tool on stdout (building it first when it is missing).
 #   promtool       from Debian's `prometheus` package (apt-get download, unpacked)
 #   prometheus     the Prometheus server from the same package (scrapes in the monitor test)
 #   otelcol        an OpenTelemetry Collector built with the OpenTelemetry Collector Builder from
 #                  scripts/tools/otelcol-builder.yaml
 #   helm           helm built from its Go module
+#   kustomize      kustomize built from its Go module
 #   compose-check  scripts/tools/compose-check: compose-go's loader, `docker compose config`'s code
 # Go builds go to $HAMI_USAGE_TOOLS (default ~/.cache/hami-usage-tools), shared by every checkout
 # on the machine, keyed by version and input hash; a lock keeps parallel runs from building twice.
@@ -18,6 +19,7 @@ TOOLS="${HAMI_USAGE_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/hami-usage-tools}"
 OTELCOL_VERSION=0.135.0
 HELM_VERSION=3.19.0
 HELM_K8S_MINOR=34
+KUSTOMIZE_VERSION=5.5.0
 # Debian bookworm's prometheus (2.42); the version is part of the cache key only.
 PROMETHEUS_DEB=2.42.0
 
@@ -75,6 +77,10 @@ build_helm() {
     gobuild env GOBIN="$1" go install -ldflags "-s -w $x" "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
 }
 
+build_kustomize() {
+    gobuild env GOBIN="$1" go install "sigs.k8s.io/kustomize/kustomize/v5@v$KUSTOMIZE_VERSION"
+}
+
 build_compose_check() {
     (cd "$ROOT/scripts/tools/compose-check" && gobuild go build -o "$1/compose-check" .)
 }
@@ -99,14 +105,15 @@ tool() {
         prometheus) build prometheus "$PROMETHEUS_DEB" build_prometheus ;;
         otelcol) build otelcol "$OTELCOL_VERSION-$(hash_of "$ROOT/scripts/tools/otelcol-builder.yaml")" build_otelcol ;;
         helm) build helm "$HELM_VERSION-k8s1.$HELM_K8S_MINOR" build_helm ;;
+        kustomize) build kustomize "$KUSTOMIZE_VERSION" build_kustomize ;;
         compose-check)
             build compose-check "$(hash_of "$ROOT"/scripts/tools/compose-check/{go.mod,go.sum,main.go})" \
                 build_compose_check
             ;;
-        all) for t in promtool prometheus otelcol helm compose-check; do tool "$t"; done ;;
-        *) say "unknown tool $1 (promtool, prometheus, otelcol, helm, compose-check, all)"; exit 2 ;;
+        all) for t in promtool prometheus otelcol helm kustomize compose-check; do tool "$t"; done ;;
+        *) say "unknown tool $1 (promtool, prometheus, otelcol, helm, kustomize, compose-check, all)"; exit 2 ;;
     esac
 }
 
-[[ $# -gt 0 ]] || { say "usage: tools.sh promtool|prometheus|otelcol|helm|compose-check|all ..."; exit 2; }
+[[ $# -gt 0 ]] || { say "usage: tools.sh promtool|prometheus|otelcol|helm|kustomize|compose-check|all ..."; exit 2; }
 for name in "$@"; do tool "$name"; done

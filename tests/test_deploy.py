@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import tomllib
 from collections.abc import Iterator
 from fnmatch import fnmatchcase
@@ -23,6 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from k8s_schema import VERSIONS, validate
+from operator_tools import tool
 from otel_names import prometheus_name
 
 from collector import cli
@@ -52,6 +55,7 @@ _KUSTOMIZATION_FIELDS = {
     "resources",
     "configMapGenerator",
     "images",
+    "replacements",
 }
 _GENERATOR_FIELDS = {"name", "files", "literals"}
 _IMAGE_FIELDS = {"name", "newName", "newTag"}
@@ -88,6 +92,44 @@ def _retag(image: str, rules: list[dict[str, str]]) -> str:
         if rule["name"] == name:
             return f"{rule.get('newName', name)}:{rule.get('newTag', tag or 'latest')}"
     return image
+
+
+def _path(doc: dict[str, Any], field_path: str) -> tuple[Any, str]:
+    """The object holding the last step of `field_path` (dots; `[key=value]` picks a list
+    item), and that step."""
+    *steps, last = field_path.split(".")
+    at: Any = doc
+    for step in steps:
+        if step.startswith("[") and step.endswith("]"):
+            key, value = _split_pair(step[1:-1])
+            (at,) = [item for item in at if item.get(key) == value]
+        else:
+            at = at[step]
+    return at, last
+
+
+def _selected(docs: list[dict[str, Any]], select: dict[str, str]) -> list[dict[str, Any]]:
+    assert set(select) <= {"kind", "name"}, f"selector fields: {sorted(select)}"
+    return [
+        d
+        for d in docs
+        if d["kind"] == select["kind"]
+        and d["metadata"]["name"] == select.get("name", d["metadata"]["name"])
+    ]
+
+
+def _replace(docs: list[dict[str, Any]], rule: dict[str, Any]) -> None:
+    """A `replacements` entry: the source's field copied to each target's fields."""
+    source = rule["source"]
+    (doc,) = _selected(docs, {"kind": source["kind"], "name": source["name"]})
+    holder, last = _path(doc, source["fieldPath"])
+    for target in rule["targets"]:
+        matched = _selected(docs, target["select"])
+        assert matched, f"replacement target {target['select']}: no such object"
+        for d in matched:
+            for field_path in target["fieldPaths"]:
+                at, step = _path(d, field_path)
+                at[step] = holder[last]
 
 
 def render(directory: Path) -> list[dict[str, Any]]:
@@ -131,6 +173,8 @@ def render(directory: Path) -> list[dict[str, Any]]:
         spec = pod_spec(doc)
         for container in all_containers(spec) if spec else []:
             container["image"] = _retag(container["image"], rules)
+    for rule in kust.get("replacements", []):  # (after the namespace, as kustomize runs them)
+        _replace(docs, rule)
     return docs
 
 
@@ -304,6 +348,29 @@ def test_collector_daemonset() -> None:
     ]
     assert collector["resources"]["requests"] == {"cpu": "50m", "memory": "64Mi"}
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
+
+
+@pytest.mark.parametrize("namespace", ["hami-usage", "gpu-metering"])
+def test_the_binding_follows_the_namespace_in_kustomize_and_in_this_loader(
+    tmp_path: Path, namespace: str
+) -> None:
+    """With `namespace` changed, kustomize (the real one) moved every object but left the
+    ClusterRoleBinding's subject in hami-usage (it rewrites only subjects named `default`): the
+    collector's pod watch got 403 and every container went unnamed."""
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("helm"))
+    kust = copy / "kustomization.yaml"
+    kust.write_text(kust.read_text().replace("namespace: hami-usage", f"namespace: {namespace}"))
+    built = subprocess.run(
+        [str(tool("kustomize")), "build", str(copy)], capture_output=True, text=True, check=True
+    )
+    for docs in (list(yaml.safe_load_all(built.stdout)), render(copy)):
+        (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+        (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "hami-usage-collector", "namespace": namespace}
+        ]
+        assert sa["metadata"]["namespace"] == namespace
 
 
 def test_collector_rbac_is_read_only_and_matches_what_the_pod_watch_asks() -> None:
