@@ -191,6 +191,20 @@ def test_table(tmp_path: Path, name: str) -> None:
         assert out.endswith("no anomalies\n")
 
 
+def test_a_file_name_that_would_forge_or_hide_lines_is_shown_escaped(tmp_path: Path) -> None:
+    """A tenant names its cache files: a newline and `ESC[8m` (which hides what follows on a
+    terminal) once printed a forged clean header and hid the real anomaly."""
+    path = tmp_path / "real.cache\nno anomalies\x1b[8m.cache"
+    w = CacheWriter(path, LAYOUTS["v1.2"], [SimDevice("x" * 40, 2 * 1024 * MiB)])
+    w.close()
+    proc = cli("inspect", str(path))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"{tmp_path}/real.cache\\nno anomalies\\x1b[8m.cache: ")
+    assert "\x1b" not in proc.stdout
+    assert lines[-1].startswith("anomaly invalid_uuid: ")
+
+
 def test_table_of_an_uninitialised_file(tmp_path: Path) -> None:
     path = tmp_path / "new.cache"
     path.write_bytes(b"\0" * 64)

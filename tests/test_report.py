@@ -347,6 +347,19 @@ def test_a_group_named_like_a_formula_is_text_in_the_bill_csv() -> None:
     assert rows[3][-2] == "-0.01"
 
 
+def test_a_name_that_would_forge_or_rewrite_rows_is_shown_escaped_in_the_table() -> None:
+    """An owner's name with a newline forged a row of the terminal bill; `ESC[1A ESC[2K`
+    rewrote the row above it."""
+    forged = "Thing/x\nStatefulSet/db   0.000000"
+    erase = "Thing/x\x1b[1A\x1b[2KPod/db-0"
+    lines = [Line("group", (name,), HOUR_MS, 0, 0.0, Fraction(1), Fraction(1))
+             for name in (forged, erase)]  # fmt: skip
+    text = table_text(Bill(["workload"], "USD", lines, [], []))
+    assert "\x1b" not in text and len(text.splitlines()) == 6
+    assert "Thing/x\\nStatefulSet/db   0.000000" in text
+    assert "Thing/x\\x1b[1A\\x1b[2KPod/db-0" in text
+
+
 def test_discounts_by_namespace_and_label(pipeline: Path) -> None:
     prices = pipeline / "discount.toml"
     prices.write_text(PRICES + "[namespaces]\nresearch = -0.5\n[labels.team]\nvision = 0.1\n")

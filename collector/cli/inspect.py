@@ -11,6 +11,7 @@ import msgspec
 from .. import settings_check as check
 from ..layout.reader import read_snapshot
 from ..layout.snapshot import Snapshot, shown_path
+from ..settings_check import one_line
 from .args import Command, say
 from .settings import flag_checks
 
@@ -51,7 +52,9 @@ def _run(args: argparse.Namespace) -> int:
 def format_table(snap: Snapshot) -> str:
     version = "" if snap.major is None else f" (header {snap.major}.{snap.minor})"
     lines = [
-        f"{snap.path}: {snap.size} bytes, layout {snap.layout or 'unknown'}{version}",
+        # A tenant names its cache files: a newline or an escape sequence in one must not forge
+        # or hide lines (`\x1b[8m` hid the anomalies), so the table shows them escaped.
+        f"{one_line(snap.path)}: {snap.size} bytes, layout {snap.layout or 'unknown'}{version}",
         f"initialized {snap.initialized}  device_num {snap.device_num}  proc_num {snap.proc_num}"
         f"  priority {snap.priority}  utilization_switch {snap.utilization_switch}"
         f"  recent_kernel {snap.recent_kernel}  last_kernel_time {snap.last_kernel_time}",
@@ -73,7 +76,7 @@ def format_table(snap: Snapshot) -> str:
                 f"{u.monitor / 2**20:>9.1f} {u.sm_util:>5}"
             )
     lines.append("")
-    lines += [f"anomaly {a.kind}: {a.detail}" for a in snap.anomalies] or ["no anomalies"]
+    lines += [f"anomaly {a.kind}: {one_line(a.detail)}" for a in snap.anomalies] or ["no anomalies"]
     return "\n".join(lines) + "\n"
 
 

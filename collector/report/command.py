@@ -12,6 +12,7 @@ import msgspec
 
 from ..aggregate.billing import decode_billing
 from ..aggregate.records import BillingRecord
+from ..settings_check import one_line
 from .bill import Bill, hours, make_bill, money
 from .load import LoadError, checked, from_csv, from_jsonl, from_parquet, from_records
 from .prices import Prices
@@ -97,13 +98,17 @@ def table_text(bill: Bill) -> str:
         "eff",
         f"cost {cur}",
     ]
+    # Names are a tenant's to choose (an owner's name, a cache file's UUID): a newline or an
+    # escape sequence in one must not forge or rewrite other rows of the bill.
     rows = [
-        [x.name, str(hours(x.allocated_ms)), str(hours(x.used_ms)), str(hours(x.reserved_idle_ms)),
-         "" if x.efficiency is None else str(x.efficiency), str(money(x.cost))]
+        [one_line(x.name), str(hours(x.allocated_ms)), str(hours(x.used_ms)),
+         str(hours(x.reserved_idle_ms)), "" if x.efficiency is None else str(x.efficiency),
+         str(money(x.cost))]
         for x in bill.groups
     ]  # fmt: skip
     rows += [
-        [x.name, str(hours(x.allocated_ms)), "", "", "", str(money(x.cost))] for x in bill.idle
+        [one_line(x.name), str(hours(x.allocated_ms)), "", "", "", str(money(x.cost))]
+        for x in bill.idle
     ]
     rows.append(["rounding residue", "", "", "", "", str(bill.residue)])
     rows.append(["total", "", "", "", "", str(money(bill.total))])
