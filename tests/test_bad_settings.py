@@ -363,6 +363,19 @@ def test_two_outputs_that_are_one_file_are_refused(
     assert sorted(os.listdir(tmp_path)) == sorted(["a-file", "link", "log", "root"]
                                                   + (["out"] if how != "new" else []))  # fmt: skip
 
+@pytest.mark.parametrize("inside", ["spool", ".", "pod_x/spool"])
+def test_a_collector_log_inside_its_root_is_refused(
+    paths: dict[str, str], tmp_path: Path, inside: str
+) -> None:
+    """The collector never writes below the root: `--log ROOT/spool` put its spool among HAMi's
+    container folders (exit 0)."""
+    root = Path(paths["root"])
+    log = os.path.normpath(root / inside)
+    proc = run("collect", "--root", str(root), "--log", log, "--max-scans", "1", cwd=tmp_path)
+    assert_one_line(proc, f"hami-usage collect: --log {log} is inside --root {root}")
+    assert os.listdir(root) == []
+
+
 @pytest.mark.parametrize(
     ("command", "flag"),
     [(c, f) for c in ("aggregate", "replay") for f in ("--csv", "--jsonl")]

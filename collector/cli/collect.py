@@ -213,6 +213,9 @@ def _run(args: argparse.Namespace) -> int:
             raise check.SettingError(f"--host-proc {cfg.host_proc}: not a directory")
         if cfg.kafka:
             check.compression_available("--compression", cfg.compression)
+        # The collector never writes below the root: its spool there would sit among the
+        # containers' folders (HAMi's, and read as one of them).
+        check.outside_folder([("--log", cfg.log)], "--root", cfg.root)
         check.writable_dir("--log", cfg.log)
     kafka = None
     if cfg.kafka and usage is not None:
