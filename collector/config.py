@@ -120,7 +120,9 @@ class ReplayConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown_
     kafka: str | None = None  # bootstrap servers; none: the local log `log`
     topic: str = "hami.usage.v1"
     log: str = "/var/lib/hami-usage/events"
-    window: Annotated[float, Meta(gt=0, le=31 * DAY)] = 60.0
+    # A record holds integrals of at most 2**63 - 1 milli-units (byte-ms): an hour holds 2.5 TB
+    # used all along, a day only 106 GB, so a day's record of a busy 141 GB GPU was refused.
+    window: Annotated[float, Meta(gt=0, le=HOUR)] = 60.0
     lateness: Annotated[float, Meta(ge=0, le=DAY)] = 10.0
     max_gap: Annotated[float, Meta(gt=0, le=7 * DAY)] = 90.0
     max_skew: Annotated[float, Meta(gt=0, le=7 * DAY)] = 300.0

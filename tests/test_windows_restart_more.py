@@ -279,3 +279,18 @@ def test_names_do_not_depend_on_how_many_windows_one_advance_closes() -> None:
          (300, ""), (360, ""), (420, ""), (480, ""), (540, "")],
         5,
     )  # fmt: skip
+
+
+def test_the_longest_window_holds_a_record_of_a_2_tib_device_used_all_along() -> None:
+    """`window` is at most an hour: a record's integrals hold 2**63 - 1 byte-ms, an hour of
+    2 TiB is 7.9e18 of them. A day of a busy 141 GB GPU (1.2e19) was a refused record."""
+    tib2 = 1 << 41
+    c = Collector()
+    msgs: list[Event] = [c.appeared(0, devices=[dev(limit=tib2)])]
+    msgs += [c.sample(t, row(1, tib2)) for t in range(0, 3_630_000, 30_000)]
+    agg = Aggregator(WindowSettings(window_ms=3_600_000))
+    out = container(feed(agg, msgs, 0) + agg.flush())
+    assert agg.stats.refused_records == 0
+    first = out[0]
+    assert (first.window_start_ms, first.window_end_ms) == (0, 3_600_000)
+    assert first.memory_byte_seconds == first.memory_limit_byte_seconds == tib2 * 3600

@@ -13,8 +13,8 @@ __all__ = ["MAX_TS", "NEVER", "RETAIN_GAPS", "WindowSettings"]
 # Later (and minus it: earlier) than any event time.
 NEVER: Final = 1 << 62
 # Event times from this one on (9999-01-01T00:00:00Z) are refused: no clock gives them, and a
-# window that holds one ends before the year 10 000 (windows are at most 31 days, a value runs
-# on at most 7), which every output's ISO-8601 time can still write. Everything derived from a
+# window that holds one ends before the year 10 000 (windows are at most an hour, a value runs
+# on at most 7 days), which every output's ISO-8601 time can still write. Everything derived from a
 # time stays far inside NEVER and a record's bounds.
 MAX_TS: Final = 253_370_764_800_000 - 1
 # A container's name is kept this many max_gap after its last event (until ContainerGone at
