@@ -822,6 +822,25 @@ def test_html_labels_with_dollar_signs_are_drawn_as_written() -> None:
     assert page.count(">n1 GPU-$\\x$abc</text>") == 1
 
 
+def test_a_group_whose_name_begins_with_an_underscore_has_its_legend_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """matplotlib leaves out of a legend a label that begins with `_`: such a group's bars
+    were drawn in the over-time chart and named nowhere."""
+    figs: list[Any] = []
+    monkeypatch.setattr(html_report, "_svg", lambda fig: figs.append(fig) or "")
+    records = [
+        msgspec.structs.replace(r, namespace="_batch") if r.pod_uid else r
+        for r in _window("GPU-a") + _window("GPU-b")
+    ]
+    records += [r for r in _window("GPU-c") if r.pod_uid]
+    _page(records)
+    (over_time,) = [f for f in figs if "over time" in f.axes[0].get_title()]
+    shown = [t.get_text() for t in over_time.axes[0].get_legend().get_texts()]
+    assert sorted(t.lstrip("\u200b") for t in shown) == ["_batch", "ns"]
+    assert len(over_time.axes[0].patches) == len(shown)  # one bar each (one hour)
+
+
 def test_the_idle_chart_draws_each_gpu_under_its_own_label(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -52,6 +52,12 @@ def _legend(ax: Any, **kw: Any) -> None:
         ax.legend(**kw)
 
 
+def _legend_label(name: str) -> str:
+    """`name` as a legend entry: matplotlib leaves out a label that begins with `_` (a tenant's
+    UUID can), so such a one starts with a zero-width space, which shows nothing."""
+    return "\u200b" + name if name.startswith("_") else name
+
+
 def _over_time(summary: Summary) -> str:
     import datetime as dt
 
@@ -72,7 +78,7 @@ def _over_time(summary: Summary) -> str:
     width = summary.bucket_ms / 86_400_000 * 0.9
     bottom = [0.0] * len(buckets)
     for g, ys in stacks.items():
-        ax.bar(xs, ys, width=width, bottom=bottom, label=part_name(g), align="edge")
+        ax.bar(xs, ys, width=width, bottom=bottom, label=_legend_label(part_name(g)), align="edge")
         bottom = [a + b for a, b in zip(bottom, ys, strict=True)]
     ax.set_ylabel("GPU-hours allocated")
     ax.set_title(f"GPU-hours per {summary.by[0]} over time")
