@@ -414,3 +414,17 @@ def test_a_replay_from_the_middle_gives_the_same_allocation(policy: Policy) -> N
             r for r in live if r.window_start_ms >= start
         ]
         assert any(r.kind == "idle" and r.allocated_gpu_seconds for r in live)
+
+
+def test_of_two_inventories_in_one_millisecond_the_later_stated_is_used() -> None:
+    """The window uses the latest statement of a GPU before its end: of two in the same
+    millisecond, the one stated later (it used to be the larger memory, 160 GiB, not 80)."""
+    agg = Aggregator(WindowSettings(allocation_policy="memory"))
+    limit = [DeviceLimit(0, "GPU-0", 40 * GiB, 100)]
+    agg.add("n1", ContainerAppeared(1, 7, 0, 0, 1, "pod-a", "main", "/p", "v1.2", limit), offset=0)
+    for seq, memory in ((1, 160 * GiB), (2, 80 * GiB)):
+        gpu = GpuInfo(0, "GPU-0", "NVIDIA H100", memory, False)
+        agg.add("n1", DeviceInventory(1, 7, seq, 1000, [gpu]), offset=seq)
+    (rec,) = [r for r in agg.flush() if r.kind == "container" and r.window_start_ms == 0]
+    assert rec.gpu_memory_bytes == 80 * GiB
+    assert rec.allocated_gpu_seconds == Decimal("30.000")  # 40 of 80 GiB for the minute

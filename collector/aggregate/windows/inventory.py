@@ -22,8 +22,14 @@ __all__ = ["GpuModel", "Inventory"]
 
 GpuModel = tuple[str, int]  # (model name, memory total in bytes)
 
-# (ts, model name, memory total, source, offset), sorted
+# (ts, model name, memory total, source, offset), in the order of `_stated`
 _Statement = tuple[int, str, int, int, int]
+
+
+def _stated(s: _Statement) -> tuple[int, int, int]:
+    """By ts, then in the order the statements were made: of two in one millisecond the later
+    is the latest (sorted as whole tuples, the larger model name or memory won)."""
+    return (s[0], s[3], s[4])
 
 
 class Inventory:
@@ -47,6 +53,7 @@ class Inventory:
             insort(
                 self._gpus.setdefault((node, g.uuid), []),
                 (ts, g.name, g.memory_total, source, offset),
+                key=_stated,
             )
         return refused
 
