@@ -641,7 +641,7 @@ class PodWatch:
         if kind == "auth":
             log.error(
                 "kubernetes API refused the collector's credentials (%s): pod names stay "
-                "unknown until the service account may get/list/watch pods; retrying",
+                "unknown until the service account may list and watch pods; retrying",
                 what,
             )
         elif kind == "throttled":
