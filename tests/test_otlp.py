@@ -421,15 +421,29 @@ def test_nothing_recorded_flush_succeeds(receiver: OtlpReceiver) -> None:
         exporter.shutdown()
 
 
-def test_service_instance_defaults_to_host_name(receiver: OtlpReceiver) -> None:
+def pushed_resource(receiver: OtlpReceiver) -> dict[str, Any]:
+    """The resource of one push of a default exporter."""
     exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
     try:
         exporter.record_window([make_record(1, "trainer", 1.0)])
         assert exporter.flush()
     finally:
         exporter.shutdown()
-    resource = receiver.wait_for(1)[0].resource_attributes()
-    assert resource["service.instance.id"] == socket.gethostname()
+    return dict(receiver.wait_for(1)[0].resource_attributes())
+
+
+def test_service_instance_defaults_to_host_name(receiver: OtlpReceiver) -> None:
+    assert pushed_resource(receiver)["service.instance.id"] == socket.gethostname()
+
+
+def test_service_instance_from_otel_resource_attributes(
+    receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas on one host name each their own instance this way (the host name was the
+    id whatever the variable said: both wrote one series)."""
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=agg-b,k8s.pod.name=p")
+    resource = pushed_resource(receiver)
+    assert (resource["service.instance.id"], resource["k8s.pod.name"]) == ("agg-b", "p")
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,8 @@ GPU's UUID, `GPU-...` or `MIG-...`), `hw.type=gpu`; on counters also `k8s.namesp
 record's `workload_kind`; none for a bare pod) when the record has them.
 
 Resource: `service.name=hami-usage-aggregator`, `service.version` (the package's),
-`service.instance.id` (the `service_instance` argument, else the host name, i.e. the pod name),
+`service.instance.id` (the `service_instance` argument, else the one `OTEL_RESOURCE_ATTRIBUTES`
+gives, else the host name, i.e. the pod name),
 the SDK's `telemetry.sdk.*`, and whatever `OTEL_RESOURCE_ATTRIBUTES` adds (the manifests add the
 aggregator's own `k8s.namespace.name`, `k8s.pod.name`, `k8s.statefulset.name`, `k8s.node.name`).
 
@@ -36,8 +37,10 @@ Counters are monotonic sums with CUMULATIVE temporality, double values: every ex
 the total since the exporter was created, so a failed export loses nothing (the next successful
 one carries the whole total). The totals are kept exactly (the records' decimals) and rounded
 once, to the nearest double, when sent: a counter is the sum of the records' integrals. An
-aggregator restart starts them at 0 with a new `start_time_unix_nano`, an ordinary counter
-reset for OTLP/Prometheus consumers. Average memory over an interval =
+aggregator restart starts them at 0 with a new `start_time_unix_nano`: a backend that reads
+start times sees a reset; Prometheus, through the Collector's exporter, sees one only when the
+first value after it is below the last before (see the README: what Prometheus shows over
+time). Average memory over an interval =
 increase(`hami.gpu.memory.usage_byte_seconds`) / increase(`hami.gpu.observed_time`).
 Point timestamps are flush times, not window bounds: the billing records stay the source of
 truth for billing, OTLP is for dashboards and alerts.
@@ -88,7 +91,7 @@ from opentelemetry.sdk.metrics.export import (
     MetricReader,
     MetricsData,
 )
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
 from ..events import MAX_CACHE_UUID, MAX_NAME
 from .records import BillingRecord, Gauge
@@ -368,6 +371,15 @@ def _has_overflow(metrics_data: MetricsData) -> bool:
     return False
 
 
+def _instance_from_env() -> str:
+    """`service.instance.id` as `OTEL_RESOURCE_ATTRIBUTES` sets it, or "". The resource's own
+    value would win over the variable's, so the host name was the id even where the operator
+    named each replica: two replicas on one host then wrote the same series, the old owner of a
+    partition its frozen totals between the new owner's (the backend counted resets)."""
+    value = OTELResourceDetector().detect().attributes.get("service.instance.id", "")
+    return value if isinstance(value, str) else ""
+
+
 class OtlpExporter:
     """Exports billing-window counters and current gauges over OTLP/HTTP (protobuf).
 
@@ -378,7 +390,8 @@ class OtlpExporter:
 
     :param endpoint: the collector's OTLP/HTTP base URL (``http://collector:4318``, to which
         ``/v1/metrics`` is appended) or full metrics URL (any URL with a non-root path).
-    :param service_instance: ``service.instance.id``; default: the host name (the pod name).
+    :param service_instance: ``service.instance.id``; default: ``OTEL_RESOURCE_ATTRIBUTES``'s,
+        else the host name (the pod name).
     :param timeout_s: bound of one request (connect + send + retries; `requests` bounds each
         read of the answer by it, not the whole answer).
     :param headers: extra HTTP headers (e.g. authorization).
@@ -415,7 +428,7 @@ class OtlpExporter:
             raise ValueError(f"compression must be one of {sorted(_COMPRESSION)}")
         self.endpoint = _metrics_url(endpoint)
         self.timeout_s = float(timeout_s)
-        self.service_instance = service_instance or socket.gethostname()
+        self.service_instance = service_instance or _instance_from_env() or socket.gethostname()
         self.failed_exports = 0
         self.successful_exports = 0
         self.duplicate_records = 0
