@@ -415,6 +415,29 @@ def test_local_log_service_pushes_otlp(tmp_path: Path) -> None:
     assert read_csv(csv) == csv_lines(expected)
 
 
+def test_no_otlp_pushes_nothing_whatever_the_config_file_says(tmp_path: Path) -> None:
+    """The aggregator's pod has `otlp` in its config file: a one-off `--drain` there pushed its
+    totals as the live service's series (its instance is the pod's), and nothing on the
+    command line turned that off (`--otlp ''` is refused)."""
+    from otlp_receiver import OtlpReceiver
+
+    msgs = build(tmp_path / "nodes", T0_MS, SPEC, NODES)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, csv, _, quiet_cmd = local_run(tmp_path / "a", msgs)
+    _, _, _, pushed_cmd = local_run(tmp_path / "b", msgs)
+    with OtlpReceiver() as receiver:
+        config = tmp_path / "config.toml"
+        config.write_text(f'[aggregate]\notlp = "{receiver.endpoint}"\n')
+        quiet = hami(*quiet_cmd, "--config", config, "--no-otlp")
+        assert quiet.returncode == 0, quiet.stderr
+        assert receiver.received == [] and "otlp:" not in quiet.stderr
+        assert read_csv(csv) == csv_lines(reference(msgs))
+        pushed = hami(*pushed_cmd, "--config", config)  # the file's endpoint, as before
+        assert pushed.returncode == 0, pushed.stderr
+        assert receiver.received
+
+
 def test_first_start_keeps_what_the_file_held_and_commits_it(tmp_path: Path) -> None:
     """A group's first run appends to an existing file and at once commits its length, so a
     crash before the first window closes cuts back to exactly there on restart."""

@@ -67,10 +67,17 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="also write billing records as Parquet, partitioned by day (for `report`)",
     )
-    p.add_argument(
+    otlp = p.add_mutually_exclusive_group()
+    otlp.add_argument(
         "--otlp",
         metavar="URL",
         help="push OTLP metrics (http/protobuf), e.g. http://localhost:4318/v1/metrics",
+    )
+    otlp.add_argument(
+        "--no-otlp",
+        action="store_true",
+        help="push none, whatever the config file or $HAMI_USAGE_OTLP says (a one-off --drain "
+        "in the live aggregator's pod would write the live service's series)",
     )
     switch(p, "--drain", "process what is there, close every window and exit", negatable=False)
     accept_damaged_flag(p)
@@ -117,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
         csv=cfg.csv,
         jsonl=cfg.jsonl,
         parquet=cfg.parquet,
-        otlp=cfg.otlp,
+        otlp=None if args.no_otlp else cfg.otlp,
         drain=cfg.drain,
         instance=cfg.instance,
         health_port=cfg.health_port,
