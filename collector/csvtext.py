@@ -20,8 +20,10 @@ def cell(value: str) -> str:
 
 
 def text(value: str) -> str:
-    """What `cell` was given."""
-    return value[1:] if value.startswith("'") else value
+    """What `cell` was given. Only an apostrophe that `cell` could have added is taken off (one
+    before =, +, -, @, a tab, a carriage return or another apostrophe): a file written before
+    cells were defused holds values as they were, and one such as `'GPU-x` reads as it did."""
+    return value[1:] if value.startswith("'") and value[1:].startswith(_ACTIVE) else value
 
 
 class Writer:

@@ -415,7 +415,9 @@ def test_local_log_service_pushes_otlp(tmp_path: Path) -> None:
     assert read_csv(csv) == csv_lines(expected)
 
 
-def test_no_otlp_pushes_nothing_whatever_the_config_file_says(tmp_path: Path) -> None:
+def test_no_otlp_pushes_nothing_even_where_the_config_file_names_an_endpoint(
+    tmp_path: Path,
+) -> None:
     """The aggregator's pod has `otlp` in its config file: a one-off `--drain` there pushed its
     totals as the live service's series (its instance is the pod's), and nothing on the
     command line turned that off (`--otlp ''` is refused)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import logging
 import os
 import re
 import shutil
@@ -164,6 +165,26 @@ def test_services_started_before_the_topics_job_create_their_topics_as_planned(
                "--billing-topic", names["billing"], "--apply")  # fmt: skip
     assert job.returncode == 0, job.stdout
     assert "created" not in job.stdout and job.stdout.count("  ok\n") == 2, job.stdout
+
+
+def test_a_topic_the_broker_refuses_does_not_hide_the_one_it_created(
+    kafka_bootstrap: str, names: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One CreateTopics answer refuses one topic (a Create ACL on one name only; here a config
+    the broker refuses) and creates the other: the service said it could create neither and
+    took the created one for missing."""
+    from collector.transport.security import KafkaSecurity
+    from collector.transport.topics import TopicSpec, check
+
+    good = TopicSpec(names["usage"], 2, 1, {"min.insync.replicas": "1"})
+    bad = TopicSpec(names["billing"], 1, 1, {"min.insync.replicas": "0"})
+    caplog.set_level(logging.INFO, logger="collector.transport.topics")
+    found = asyncio.run(check(kafka_bootstrap, KafkaSecurity(), [good, bad]))
+    assert found == {good.name: [], bad.name: ["missing"]}
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"created topic {good.name} as [topics] plans it (it did not exist)" in lines
+    (refused,) = [ln for ln in lines if ln.startswith("could not create")]
+    assert refused.startswith(f"could not create the missing topic {bad.name} as planned (")
 
 
 def test_billing_topic_for_any_consumer(

@@ -229,8 +229,9 @@ def test_hostile_event_values_reach_no_sink(
 def test_the_last_event_time_taken_is_written_by_every_sink_and_the_next_is_refused(
     tmp_path: Path, wide: bool
 ) -> None:
-    """Event times are refused from 9999-01-01 on: the windows of the last one taken, even the
-    widest with the longest cap, end before the year 10 000, which the CSV and JSONL sinks
+    """Event times are refused from 9999-01-01 on: the windows of the last one taken, even
+    31-day ones (wider than the config allows, an hour) with the longest cap, end before the
+    year 10 000, which the CSV and JSONL sinks
     write as ISO-8601 (an event in the year 11 476 used to be billed and crash both)."""
     day = 86_400_000
     settings_ = WindowSettings(window_ms=31 * day, max_gap_ms=7 * day) if wide else S

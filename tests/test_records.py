@@ -369,3 +369,26 @@ def test_a_tenants_strings_in_the_billing_csv_read_back_exactly_and_run_no_formu
     assert rows[1][CSV_FIELDS.index("workload")] == "job\rx"
     assert [r.device_uuid for r in _read_csv(path)] == [hostile.device_uuid, "GPU-0"]
     assert list(_read_csv(path))[0] == msgspec.structs.replace(hostile, version=RECORD_VERSION)
+
+
+def test_a_billing_csv_written_before_cells_were_defused_reads_as_it_did(tmp_path: Path) -> None:
+    """The sink wrote values as they were: `'GPU-tenant` (a tenant's UUID) must not lose its
+    apostrophe now, nor group apart from the same value written after the change."""
+    old = record(device_uuid="'GPU-tenant", workload_kind="Thing", workload="'quoted-owner")
+    path = tmp_path / "billing.csv"
+    with path.open("w", newline="") as f:
+        csv.writer(f, lineterminator="\n").writerows([list(CSV_FIELDS), csv_row_as_it_was(old)])
+    with CsvSink(path) as sink:  # the same record, appended after the change
+        sink.write([old])
+    assert [(r.device_uuid, r.workload) for r in _read_csv(path)] == [
+        ("'GPU-tenant", "'quoted-owner"),
+        ("'GPU-tenant", "'quoted-owner"),
+    ]
+
+
+def csv_row_as_it_was(r: BillingRecord) -> list[str]:
+    """`csv_row` before its cells were defused: every value as it is."""
+    row = csv_row(r)
+    for name in ("device_uuid", "workload"):
+        row[CSV_FIELDS.index(name)] = getattr(r, name)
+    return row

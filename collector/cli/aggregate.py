@@ -76,8 +76,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     otlp.add_argument(
         "--no-otlp",
         action="store_true",
-        help="push none, whatever the config file or $HAMI_USAGE_OTLP says (a one-off --drain "
-        "in the live aggregator's pod would write the live service's series)",
+        help="push none, even where the config file or $HAMI_USAGE_OTLP names an endpoint (a "
+        "one-off --drain in the live aggregator's pod would write the live service's series)",
     )
     switch(p, "--drain", "process what is there, close every window and exit", negatable=False)
     accept_damaged_flag(p)

@@ -48,7 +48,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from tenacity.wait import wait_base, wait_exponential, wait_random
 
 from ..events import Identity
-from ..settings_check import one_line, shown
+from ..settings_check import shown
 from . import allocation
 from .pods import (
     ObjectMeta,
@@ -234,8 +234,8 @@ class Owners:
                     "named as its own workload (logged once per namespace)",
                     meta.namespace,
                     meta.name,
-                    shown(one_line(ref.kind)),
-                    shown(one_line(ref.name)),
+                    shown(ref.kind),  # (repr: a character that is not printable escaped)
+                    shown(ref.name),
                 )
             ref = None
         if ref is None:

@@ -151,8 +151,11 @@ async def describe(admin: Any, names: list[str]) -> dict[str, TopicState | None]
     return out
 
 
-async def create_missing(admin: Any, specs: list[TopicSpec]) -> list[str]:
-    """Create the topics of `specs` that do not exist; returns the names created."""
+async def create_each(
+    admin: Any, specs: list[TopicSpec]
+) -> tuple[list[str], list[tuple[str, Exception]]]:
+    """Create the topics of `specs` that do not exist: the names created, and the broker's
+    refusal of each other one (one topic refused does not undo or hide another created)."""
     from aiokafka.admin import NewTopic
     from aiokafka.errors import TopicAlreadyExistsError, for_code
 
@@ -162,14 +165,24 @@ async def create_missing(admin: Any, specs: list[TopicSpec]) -> list[str]:
             for s in specs
         ]
     )
-    created = []
+    created: list[str] = []
+    refused: list[tuple[str, Exception]] = []
     for name, code, *rest in response.topic_errors:
         error = for_code(code)
         if code == 0:
             created.append(name)
         elif error is not TopicAlreadyExistsError:
             message = rest[0] if rest and rest[0] else ""
-            raise error(f"create topic {name}: {message}".rstrip(": "))
+            refused.append((name, error(f"create topic {name}: {message}".rstrip(": "))))
+    return created, refused
+
+
+async def create_missing(admin: Any, specs: list[TopicSpec]) -> list[str]:
+    """Create the topics of `specs` that do not exist; returns the names created, or raises the
+    first refusal."""
+    created, refused = await create_each(admin, specs)
+    if refused:
+        raise refused[0][1]
     return created
 
 
@@ -214,20 +227,16 @@ async def check(
     try:
         states = await describe(admin, [s.name for s in specs])
         missing = [s for s in specs if states[s.name] is None]
-        created: list[str] = []
         if missing:
+            # (a refusal: no Create ACL, too few brokers; the Job is to create it then)
             try:
-                created = await create_missing(admin, missing)
-            except Exception as exc:  # (no Create ACL, too few brokers): the Job's to create
-                log.warning(
-                    "could not create the missing topic%s %s as planned (%s: %s)",
-                    "s" if len(missing) > 1 else "",
-                    ", ".join(s.name for s in missing),
-                    type(exc).__name__,
-                    exc,
-                )
+                created, refused = await create_each(admin, missing)
+            except Exception as failed:  # the request itself failed: nothing created
+                created, refused = [], [(s.name, failed) for s in missing]
             for name in created:
                 log.info("created topic %s as [topics] plans it (it did not exist)", name)
+            for name, exc in refused:
+                log.warning("could not create the missing topic %s as planned (%s)", name, exc)
             states = await _created_and_described(admin, specs, created)
     finally:
         await admin.close()
