@@ -174,3 +174,46 @@ def test_an_identity_read_after_its_window_could_close_names_only_later_ones() -
                 out += agg.advance()
         out += agg.flush()
         assert names([r for r in out if r.kind == "container"]) == want, advance_at
+
+
+def test_a_change_after_a_window_ends_never_renames_that_window() -> None:
+    # The team label changes 1-9 s after [60, 120) ended, within the lateness: the window was
+    # vision's all along. Only a pod with no identity before a window's end takes one from its
+    # lateness (test_identity_within_the_lateness_...).
+    a = ("ml", "trainer-x", "Deployment", "trainer", {"team": "vision"})
+    b = ("ml", "trainer-x", "Deployment", "trainer", {"team": "speech"})
+    for change_s in (121, 125, 129):
+        c = Collector()
+        events = steady(c, 200)
+        events.insert(3, ident(c, 0, TEAM_A))
+        at = next(i for i, e in enumerate(events) if e.ts > change_s * 1000)
+        events.insert(at, ident(c, change_s * 1000, TEAM_B))
+        records, _ = run(events)
+        assert names(records) == [(0, *a), (60, *a), (120, *b), (180, *b), (240, *b)], change_s
+
+
+def test_a_close_split_where_an_earlier_assignment_stopped_names_as_that_assignment() -> None:
+    # A partition assigned back (closed_before_ms) closes again, uncounted, up to where its
+    # earlier owner stopped, then on: what the first half forgets must not be what the
+    # second half's windows take.
+    c = Collector()
+    events = steady(c, 120)
+    events.insert(3, ident(c, 0, TEAM_A))
+    events.append(ident(c, 125_000, TEAM_B))
+    events += [c.sample(t * 1000, row(1, 100 + t)) for t in range(130, 201, 10)]
+    at = next(i for i, e in enumerate(events) if e.ts == 130_000)
+    events[at - 1], events[at] = events[at], events[at - 1]  # read after [60, 120) could close
+
+    def named(closed_before: int | None) -> tuple[list[tuple[int, str | None]], int]:
+        agg = Aggregator(S, closed_before_ms=closed_before)
+        for i, e in enumerate(events):
+            agg.add("n1", e, offset=i)
+        out = agg.advance() + agg.flush()
+        got = [(r.window_start_ms // 1000, r.labels.get("team")) for r in out if r.pod_uid]
+        return got, agg.stats.unnamed_records
+
+    first = named(None)
+    assert first == ([(0, "vision"), (60, "vision"), (120, "speech"), (180, "speech"),
+                      (240, "speech")], 0)  # fmt: skip
+    for closed_before in (60_000, 120_000):
+        assert named(closed_before) == first, closed_before

@@ -2,25 +2,25 @@
 
 Identities come from `PodIdentity` events and from the `pods` every heartbeat restates. They are
 kept per (node, pod UID) as a timeline ordered by (ts, seq), and a record of the window
-`[ws, we)` takes the entry with the largest (ts, seq) among those with `ts < we + lateness` that
-were read before the input let that window close: an identity that arrives within the lateness
-of a window applies to that window, and one that arrives later (in time, or in the input after
-an event that let the window close) applies from the next windows on. Each entry keeps the end
-of the windows the input read before it lets close (`Aggregator._closable`, whether `advance()`
-has closed them yet or not), so this is decided by the input and its order alone, never by when
-a window happens to close, and a replay gives the same names as the live run. A record without
-an identity is still billed: its namespace is empty, and it is counted in
-`stats.unnamed_records`.
+`[ws, we)` takes, among the entries read before the input let that window close, the one with
+the largest (ts, seq) and `ts < we`: the identity that held at the window's end. A pod with no
+such entry (the watch may name a pod a little after its first samples) takes its first entry
+with `we <= ts < we + lateness`. So a change after the window's end never renames it, and one
+read later (in time, or in the input after an event that let the window close) applies from the
+next windows on. Each entry keeps the end of the windows the input read before it lets close
+(`Aggregator._closable`, whether `advance()` has closed them yet or not), so this is decided by
+the input and its order alone, never by when a window happens to close, and a replay gives the
+same names as the live run. A record without an identity is still billed: its namespace is
+empty, and it is counted in `stats.unnamed_records`.
 
-Only what a future window can still use is kept: per pod, the last entry before the cut-off of
-the next window to close, and every later one (each of them was read before the input let a
-window still open close, so every one can name those). Restatements are entries of their own
-(with their own offsets), so what a restart has to read again stays one heartbeat period long; a
-pod not restated for `retain_ms` (its containers are gone) is forgotten. A restarted instance
-reads those entries again before the input lets any window after its `emitted_until_ms` close,
-so it names those windows as the live run did. A window that starts `retain_ms` or more after
-the entry it would take is not named by it, so the names never depend on how many windows one
-`advance()` closes.
+Only what a future window can still use is kept: per pod, the entry the next window to close
+takes, and every later one (a later window takes that one or a later one). Restatements are
+entries of their own (with their own offsets), so what a restart has to read again stays one
+heartbeat period long; a pod not restated for `retain_ms` (its containers are gone) is
+forgotten. A restarted instance reads those entries again before the input lets any window
+after its `emitted_until_ms` close, so it names those windows as the live run did. A window
+that starts `retain_ms` or more after the entry it would take is not named by it, so the names
+never depend on how many windows one `advance()` closes, nor on where a close stops.
 """
 
 from __future__ import annotations
@@ -70,26 +70,24 @@ class Identities:
         entries = self._book.get((node, pod_uid))
         if not entries:
             return None
-        cut = window_end_ms + self._lateness
-        i = bisect_left(entries, cut, key=lambda e: e[0])
-        # read after the input let this window close: not this window's
-        while i and entries[i - 1][5] >= window_end_ms:
-            i -= 1
-        if not i or entries[i - 1][0] + self._retain <= window_end_ms - self._w:
+        i = _held(entries, window_end_ms)
+        if i is None:
+            return _first_late(entries, window_end_ms, self._lateness)
+        if entries[i][0] + self._retain <= window_end_ms - self._w:
             return None
-        return entries[i - 1][4]
+        return entries[i][4]
 
     def prune(self, closed: int) -> None:
-        """Forget what no window ending after `closed` can use."""
-        cut = closed + self._w + self._lateness  # the earliest cut-off of a window still open
+        """Forget what no window ending after `closed` can use: every entry before the one the
+        next window takes (those after it take it or a later one)."""
         drop: list[tuple[str, str]] = []
         for key, entries in self._book.items():
             if entries[-1][0] + self._retain <= closed:
                 drop.append(key)
                 continue
-            i = bisect_left(entries, cut, key=lambda e: e[0])
-            if i > 1:
-                del entries[: i - 1]
+            i = _held(entries, closed + self._w)
+            if i:
+                del entries[:i]
         for key in drop:
             del self._book[key]
 
@@ -99,3 +97,26 @@ class Identities:
 
     def __len__(self) -> int:
         return sum(len(e) for e in self._book.values())
+
+
+def _held(entries: list[_Entry], window_end_ms: int) -> int | None:
+    """The index of the entry that held at the end of the window ending at `window_end_ms`:
+    the last before that end among those read before the input let the window close; None
+    when there is none."""
+    i = bisect_left(entries, window_end_ms, key=lambda e: e[0])
+    while i and entries[i - 1][5] >= window_end_ms:
+        i -= 1  # read after the input let this window close: not this window's
+    return i - 1 if i else None
+
+
+def _first_late(entries: list[_Entry], window_end_ms: int, lateness_ms: int) -> Identity | None:
+    """A pod with no identity before the window's end: its first one within the lateness
+    after it, among those read before the input let the window close (the watch may name a
+    pod a little after its first samples)."""
+    i = bisect_left(entries, window_end_ms, key=lambda e: e[0])
+    for e in entries[i:]:
+        if e[0] >= window_end_ms + lateness_ms:
+            break
+        if e[5] < window_end_ms:
+            return e[4]
+    return None
