@@ -44,6 +44,20 @@ def steady(c: Collector, until_s: int, every_s: int = 10) -> list[Event]:
     return events
 
 
+def _speech_read_after_130_s() -> tuple[list[Event], int]:
+    """Vision from 0 s, speech from 125 s, read after the sample of 130 s (which lets [60, 120)
+    close); and the index of that PodIdentity."""
+    c = Collector()
+    events = steady(c, 120)
+    events.insert(3, ident(c, 0, TEAM_A))
+    events.append(ident(c, 125_000, TEAM_B))
+    events += [c.sample(t * 1000, row(1, 100 + t)) for t in range(130, 201, 10)]
+    at = next(i for i, e in enumerate(events) if e.ts == 130_000)
+    events[at - 1], events[at] = events[at], events[at - 1]
+    assert isinstance(events[at], PodIdentity)
+    return events, at
+
+
 def test_unknown_identity_is_billed_with_an_empty_namespace_and_counted() -> None:
     c = Collector()
     records, agg = run(steady(c, 150))
@@ -154,14 +168,7 @@ def test_an_identity_read_after_its_window_could_close_names_only_later_ones() -
     # The identity of 125 s lies within the lateness of [60, 120) (cut-off 130 s), but it is read
     # after the sample of 130 s, which let that window close (input reordered within the
     # lateness): it names the windows from 120 s on, whether advance() ran in between or not.
-    c = Collector()
-    events = steady(c, 120)
-    events.insert(3, ident(c, 0, TEAM_A))
-    events.append(ident(c, 125_000, TEAM_B))
-    events += [c.sample(t * 1000, row(1, 100 + t)) for t in range(130, 201, 10)]
-    at = next(i for i, e in enumerate(events) if e.ts == 130_000)
-    events[at - 1], events[at] = events[at], events[at - 1]
-    assert isinstance(events[at], PodIdentity)
+    events, at = _speech_read_after_130_s()
     a = ("ml", "trainer-x", "Deployment", "trainer", {"team": "vision"})
     b = ("ml", "trainer-x", "Deployment", "trainer", {"team": "speech"})
     want = [(0, *a), (60, *a), (120, *b), (180, *b), (240, *b)]
@@ -196,13 +203,7 @@ def test_a_close_split_where_an_earlier_assignment_stopped_names_as_that_assignm
     # A partition assigned back (closed_before_ms) closes again, uncounted, up to where its
     # earlier owner stopped, then on: what the first half forgets must not be what the
     # second half's windows take.
-    c = Collector()
-    events = steady(c, 120)
-    events.insert(3, ident(c, 0, TEAM_A))
-    events.append(ident(c, 125_000, TEAM_B))
-    events += [c.sample(t * 1000, row(1, 100 + t)) for t in range(130, 201, 10)]
-    at = next(i for i, e in enumerate(events) if e.ts == 130_000)
-    events[at - 1], events[at] = events[at], events[at - 1]  # read after [60, 120) could close
+    events, _ = _speech_read_after_130_s()
 
     def named(closed_before: int | None) -> tuple[list[tuple[int, str | None]], int]:
         agg = Aggregator(S, closed_before_ms=closed_before)
