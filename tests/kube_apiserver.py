@@ -10,9 +10,10 @@ changes by resourceVersion, and serves:
   for a watch, or as the status when `gone_as_status`);
 * `GET /apis/apps/v1/namespaces/NS/replicasets/N`, `/apis/batch/v1/namespaces/NS/jobs/N`,
   `/api/v1/namespaces/N`;
-* faults: bearer-token check (401) and `forbidden` (403) for chosen resources, `throttle` (429
-  with Retry-After), `drop_watches()` (cut every open stream mid-body), `go_down()`/`come_up()`
-  (the port refuses connections, open streams are cut).
+* faults: bearer-token check (401) and `forbidden` (403) for chosen resources, `held` (their
+  gets hang, logged, until taken out of it), `throttle` (429 with Retry-After),
+  `drop_watches()` (cut every open stream mid-body), `go_down()`/`come_up()` (the port refuses
+  connections, open streams are cut).
 
 Every request is logged (`requests`) with its time, so tests can check what the client sent.
 The server runs on its own event loop in a thread (`ApiServer.start()`), so it serves a
@@ -237,6 +238,7 @@ class ApiServer:
     requests: list[Request] = field(default_factory=list)
     token: str = TOKEN
     forbidden: set[str] = field(default_factory=set)  # resources answered 403
+    held: set[str] = field(default_factory=set)  # resources whose gets hang while they are here
     throttle: list[float] = field(default_factory=list)  # Retry-After of the next 429s
 
     def __post_init__(self) -> None:
@@ -261,6 +263,7 @@ class ApiServer:
         return self
 
     def close(self) -> None:
+        self.held = set()  # (a held request would hold the close)
         self._call(self._close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
@@ -499,6 +502,8 @@ class ApiServer:
         refused = self._refuse(request, entry, resource)
         if refused is not None:
             return refused
+        while resource in self.held:  # an API server too busy to answer
+            await asyncio.sleep(0.01)
         if obj is None:
             entry.status = 404
             return web.json_response(

@@ -420,6 +420,47 @@ def gets(server: ApiServer, path: str) -> list[int]:
     return [r.status for r in server.requests if r.path == path]
 
 
+async def test_a_hung_owner_get_holds_back_no_other_pods_name_nor_the_watch(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    """Owners are read in the background, all at once, one get per owner: while every Job get
+    hangs, each pod is named as far as is known (a Job's pods as the Job's), a pod that needs
+    no owner read is named in full, and the watch goes on; once the gets answer, the pods are
+    named again. `synced` waits for the first list's reads."""
+    server.held = {"jobs"}
+    crons = [server.add_cronjob_pod("ml", f"eval{i}", ["eval"]) for i in range(3)]
+    twin = json.loads(json.dumps(crons[0]))  # a second pod of the first Job
+    twin["metadata"].update(name="eval0-29412360-z1x2c", uid="uid-twin")
+    server.put_pod(twin)
+    uids = [c["metadata"]["uid"] for c in crons] + ["uid-twin"]
+    jobs = [f"eval{i}-29412360" for i in (0, 1, 2, 0)]
+    db = server.add_owned_pod("web", "StatefulSet", "db", "db-0", ["pg"])["metadata"]["uid"]
+
+    def job_gets() -> list[Any]:
+        return [r for r in server.requests if "/jobs/" in r.path]
+
+    async with watching(server, tmp_path, request_timeout_s=60) as watch:
+        stateful = ("web", "db-0", "StatefulSet", "db", {"cost-center": "cc-02"})
+        await until(lambda: db in watch.view and names(watch)[db] == stateful)
+        await until(lambda: len(job_gets()) == 3)  # in flight together, the twin's shared
+        assert [workload(watch, u) for u in uids] == [("Job", j) for j in jobs]
+        assert names(watch)[uids[0]][4] == {"cost-center": "cc-17"}
+        assert not watch.synced.is_set() and watch.stats.owner_lookups == 3
+
+        late = server.add_cronjob_pod("ml", "late", ["eval"])["metadata"]["uid"]
+        db1 = server.add_owned_pod("web", "StatefulSet", "db", "db-1", ["pg"])["metadata"]["uid"]
+        await until(lambda: db1 in watch.view)  # the watch went on past the held pod
+        assert workload(watch, late) == ("Job", "late-29412360")
+        assert len(job_gets()) == 4 and all(r.status == 0 for r in job_gets())
+
+        server.held = set()
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        await until(lambda: workload(watch, late) == ("CronJob", "late"))
+        assert [workload(watch, u) for u in uids] == [("CronJob", f"eval{i}") for i in (0, 1, 2, 0)]
+        assert [r.status for r in job_gets()] == [200] * 4
+        assert watch.stats.owner_errors == 0
+
+
 async def test_a_failed_owner_get_is_retried_without_an_event_of_the_pod(
     server: ApiServer, tmp_path: Path
 ) -> None:

@@ -33,13 +33,12 @@ one get for all the pods that share it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import aiohttp
 import msgspec
@@ -52,6 +51,7 @@ from ..settings_check import shown
 from . import allocation
 from .pods import (
     ObjectMeta,
+    OwnerReference,
     Pod,
     PodView,
     event_decoder,
@@ -64,6 +64,9 @@ from .pods import (
 log = logging.getLogger(__name__)
 
 MAX_LINE = 16 * 1024 * 1024  # one watch event; the API server's own limit is about 3 MiB
+# Owner and namespace gets at once (each owner or namespace is read once however many pods
+# ask): a node's pods resolve in about one request's time, without a burst on the API server.
+LOOKUPS_IN_FLIGHT: Final = 8
 
 
 @dataclass(frozen=True)
@@ -213,18 +216,52 @@ class Owners:
     `retry_failed_s`. A failed get of an owner resolved before keeps what it resolved to: a
     transient error on the periodic re-read does not turn a CronJob's pod into a Job's."""
 
-    def __init__(self, api: Any, settings: KubeSettings, stats: WatchStats) -> None:
+    def __init__(
+        self, api: Any, settings: KubeSettings, stats: WatchStats, limit: asyncio.Semaphore
+    ) -> None:
         from kubernetes_asyncio.client import AppsV1Api, BatchV1Api
 
         self._apps = AppsV1Api(api)
         self._batch = BatchV1Api(api)
         self._settings = settings
         self._stats = stats
+        self._limit = limit
         self._cache: dict[str, tuple[float, tuple[str, str]]] = {}
         self._warned: set[str] = set()
         self._refused: set[str] = set()  # namespaces with a controller reference refused
+        self._reading: dict[str, asyncio.Task[tuple[str, str]]] = {}  # by the owner's UID
+
+    def known(self, meta: ObjectMeta, now: float) -> tuple[tuple[str, str], bool]:
+        """The pod's workload as far as it is known without asking, and whether that is
+        current: an owner never read is named by convention meanwhile, an expired one as it
+        resolved to."""
+        ref = self._controller(meta)
+        if ref is None:
+            return ("Pod", meta.name), True
+        if ref.kind not in ("ReplicaSet", "Job"):
+            return (ref.kind, ref.name), True
+        hit = self._cache.get(ref.uid)
+        if hit is None:
+            return _by_convention(ref.kind, ref.name, meta.labels), False
+        return hit[1], hit[0] > now
 
     async def workload(self, meta: ObjectMeta, now: float) -> tuple[str, str]:
+        ref = self._controller(meta)
+        if ref is None:
+            return ("Pod", meta.name)
+        if ref.kind not in ("ReplicaSet", "Job"):
+            return (ref.kind, ref.name)
+        hit = self._cache.get(ref.uid)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        task = _one_read(self._reading, ref.uid, lambda: self._read(ref, meta, hit, now))
+        return await asyncio.shield(task)
+
+    def cancel(self) -> None:
+        for task in self._reading.values():
+            task.cancel()
+
+    def _controller(self, meta: ObjectMeta) -> OwnerReference | None:
         ref = meta.controller()
         if ref is not None and not ref.names_an_object():
             if meta.namespace not in self._refused:
@@ -237,17 +274,20 @@ class Owners:
                     shown(ref.kind),  # (repr: a character that is not printable escaped)
                     shown(ref.name),
                 )
-            ref = None
-        if ref is None:
-            return ("Pod", meta.name)
-        if ref.kind not in ("ReplicaSet", "Job"):
-            return (ref.kind, ref.name)
-        hit = self._cache.get(ref.uid)
-        if hit is not None and hit[0] > now:
-            return hit[1]
+            return None
+        return ref
+
+    async def _read(
+        self,
+        ref: OwnerReference,
+        meta: ObjectMeta,
+        hit: tuple[float, tuple[str, str]] | None,
+        now: float,
+    ) -> tuple[str, str]:
         ttl = self._settings.owner_ttl_s
         try:
-            parent = await self._get(ref.kind, meta.namespace, ref.name)
+            async with self._limit:
+                parent = await self._get(ref.kind, meta.namespace, ref.name)
             result = (parent.kind, parent.name) if parent is not None else (ref.kind, ref.name)
         except (*RETRYABLE, Gone) as exc:
             self._stats.owner_errors += 1
@@ -293,6 +333,25 @@ class Owners:
         return owner if owner.names_an_object() else None
 
 
+_T = TypeVar("_T")
+
+
+def _one_read(
+    reading: dict[str, asyncio.Task[_T]], key: str, read: Callable[[], Coroutine[Any, Any, _T]]
+) -> asyncio.Task[_T]:
+    """The read of `key` in flight, else a new one: one request however many ask meanwhile
+    (each waits on it shielded, so that one caller's cancellation does not end the others')."""
+    task = reading.get(key)
+    if task is None:
+        task = reading[key] = asyncio.create_task(read())
+
+        def done(_: asyncio.Task[_T]) -> None:
+            reading.pop(key, None)
+
+        task.add_done_callback(done)
+    return task
+
+
 def _by_convention(kind: str, name: str, labels: Mapping[str, str]) -> tuple[str, str]:
     suffix = "-" + labels.get("pod-template-hash", "\0")
     if kind == "ReplicaSet" and name.endswith(suffix) and len(name) > len(suffix):
@@ -303,34 +362,58 @@ def _by_convention(kind: str, name: str, labels: Mapping[str, str]) -> tuple[str
 class NamespaceLabels:
     """The allowlisted labels of a namespace, read with `get` and cached for a while."""
 
-    def __init__(self, api: Any, settings: KubeSettings, stats: WatchStats) -> None:
+    def __init__(
+        self, api: Any, settings: KubeSettings, stats: WatchStats, limit: asyncio.Semaphore
+    ) -> None:
         from kubernetes_asyncio.client import CoreV1Api
 
         self._core = CoreV1Api(api)
         self._settings = settings
         self._stats = stats
+        self._limit = limit
         self._cache: dict[str, tuple[float, dict[str, str]]] = {}
+        self._reading: dict[str, asyncio.Task[dict[str, str]]] = {}
+
+    def known(self, namespace: str, now: float) -> tuple[dict[str, str], bool]:
+        """The labels as far as they are known without asking, and whether that is current."""
+        if not self._settings.namespace_labels:
+            return {}, True
+        hit = self._cache.get(namespace)
+        if hit is None:
+            return {}, False
+        return hit[1], hit[0] > now
 
     async def labels(self, namespace: str, now: float) -> dict[str, str]:
-        wanted = self._settings.namespace_labels
-        if not wanted:
+        if not self._settings.namespace_labels:
             return {}
         hit = self._cache.get(namespace)
         if hit is not None and hit[0] > now:
             return hit[1]
+        task = _one_read(self._reading, namespace, lambda: self._read(namespace, hit, now))
+        return await asyncio.shield(task)
+
+    def cancel(self) -> None:
+        for task in self._reading.values():
+            task.cancel()
+
+    async def _read(
+        self, namespace: str, hit: tuple[float, dict[str, str]] | None, now: float
+    ) -> dict[str, str]:
+        wanted = self._settings.namespace_labels
         ttl = self._settings.namespace_ttl_s
         try:
-            resp = await _raw(
-                self._core.read_namespace,
-                namespace,
-                _request_timeout=self._settings.request_timeout_s,
-            )
-            try:
-                if resp.status != 200:
-                    raise await _failure(resp)
-                have = object_decoder.decode(await resp.read()).metadata.labels
-            finally:
-                resp.release()
+            async with self._limit:
+                resp = await _raw(
+                    self._core.read_namespace,
+                    namespace,
+                    _request_timeout=self._settings.request_timeout_s,
+                )
+                try:
+                    if resp.status != 200:
+                        raise await _failure(resp)
+                    have = object_decoder.decode(await resp.read()).metadata.labels
+                finally:
+                    resp.release()
             found = {k: have[k] for k in wanted if k in have}
         except (*RETRYABLE, Gone) as exc:
             self._stats.owner_errors += 1
@@ -359,13 +442,17 @@ class PodWatch:
         self.view: Mapping[str, PodView] = {}
         self.resource_version: str | None = None
         self._core = CoreV1Api(api)
-        self._owners = Owners(api, settings, self.stats)
-        self._namespaces = NamespaceLabels(api, settings, self.stats)
+        limit = asyncio.Semaphore(LOOKUPS_IN_FLIGHT)
+        self._owners = Owners(api, settings, self.stats, limit)
+        self._namespaces = NamespaceLabels(api, settings, self.stats, limit)
+        self._resolving: set[asyncio.Task[None]] = set()  # see `_resolve_later`
         # The metadata of each live pod, what its identity is resolved from (the refresh).
         self._metas: dict[str, ObjectMeta] = {}
         self._selector = f"spec.nodeName={node}"
         self._episode = _Episode()
-        self.synced = asyncio.Event()  # set after the first complete list
+        # Set once the first complete list is in the view with its owners and namespaces read
+        # (or their reads failed).
+        self.synced = asyncio.Event()
         self._watch_events = 0  # events and bookmarks of the current (or last) watch
 
     # --- the protocol ----------------------------------------------------------------------
@@ -376,9 +463,12 @@ class PodWatch:
         try:
             await self._list_and_watch()
         finally:
-            refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresher
+            background = [refresher, *self._resolving]
+            for task in background:
+                task.cancel()
+            self._owners.cancel()
+            self._namespaces.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
 
     async def _list_and_watch(self) -> None:
         while True:
@@ -444,11 +534,19 @@ class PodWatch:
         for uid, pv in list(view.items()):
             if uid not in listed and not pv.deleted:
                 view[uid] = _deleted(pv, now)  # deleted while we were not watching
+        unknown: list[str] = []
         for pod in pods:
-            view[pod.metadata.uid] = await self._view_of(pod, view.get(pod.metadata.uid), now)
+            uid = pod.metadata.uid
+            view[uid], current = self._view_of(pod, view.get(uid), now)
+            if not current:
+                unknown.append(uid)
         self.view = self._pruned(view, now)
         self.resource_version = version
-        self.synced.set()
+        resolving = self._resolve_later(unknown)
+        if resolving is None:
+            self.synced.set()
+        elif not self.synced.is_set():
+            resolving.add_done_callback(lambda _: self.synced.set())
 
     async def _watch(self, version: str) -> None:
         began = time.monotonic()
@@ -526,6 +624,8 @@ class PodWatch:
             raise ApiError(status.code, status.message or status.reason)
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
             raise MalformedResponse(f"unknown watch event type {kind[:40]!r}")
+        # Nothing here waits for another request: a pod whose owner or namespace must be read
+        # is published as far as it is known, and again once read (`_resolve_later`).
         self.stats.events += 1
         pod = pod_decoder.decode(ev.object)
         meta = pod.metadata
@@ -541,7 +641,9 @@ class PodWatch:
             self._metas.pop(meta.uid, None)
         else:
             self._metas[meta.uid] = _kept(meta)
-            new = await self._view_of(pod, old, now)
+            new, current = self._view_of(pod, old, now)
+            if not current:
+                self._resolve_later([meta.uid])
         if new is not None and new != old:
             view = dict(self.view)
             view[meta.uid] = new
@@ -551,11 +653,11 @@ class PodWatch:
 
     # --- what a pod is -----------------------------------------------------------------------
 
-    async def _identity(self, meta: ObjectMeta, now: float) -> Identity:
-        kind, name = await self._owners.workload(meta, now)
-        labels = await self._namespaces.labels(meta.namespace, now)
-        labels = {**labels, **{k: meta.labels[k] for k in self.settings.pod_labels
-                               if k in meta.labels}}  # fmt: skip
+    def _identity(
+        self, meta: ObjectMeta, kind: str, name: str, namespace_labels: Mapping[str, str]
+    ) -> Identity:
+        labels = {**namespace_labels, **{k: meta.labels[k] for k in self.settings.pod_labels
+                                         if k in meta.labels}}  # fmt: skip
         return Identity(
             pod_uid=meta.uid,
             namespace=meta.namespace,
@@ -565,9 +667,16 @@ class PodWatch:
             labels=dict(sorted(labels.items())),
         )
 
-    async def _view_of(self, pod: Pod, old: PodView | None, now: float) -> PodView:
+    def _known(self, meta: ObjectMeta, now: float) -> tuple[Identity, bool]:
+        """The identity as far as the caches know it, and whether it is current."""
+        (kind, name), owner_current = self._owners.known(meta, now)
+        labels, labels_current = self._namespaces.known(meta.namespace, now)
+        return self._identity(meta, kind, name, labels), owner_current and labels_current
+
+    def _view_of(self, pod: Pod, old: PodView | None, now: float) -> tuple[PodView, bool]:
+        """The pod's view, and whether its identity is current (else `_resolve_later`)."""
         meta = pod.metadata
-        identity = await self._identity(meta, now)
+        identity, current = self._known(meta, now)
         text = meta.annotations.get(allocation.ANNOTATION)
         alloc: allocation.Allocation | None = None
         error = None
@@ -580,8 +689,24 @@ class PodWatch:
         status = pod.status
         view = PodView(identity, containers, alloc, error, phase=status.phase, runs=status.runs())
         if old is not None and old == view:
-            return old
-        return view
+            return old, current
+        return view, current
+
+    def _resolve_later(self, uids: list[str]) -> asyncio.Task[None] | None:
+        """Read the owners and namespaces of these pods in the background and publish what
+        changes: one slow or hung get holds back no other pod's name, and no watch event."""
+        if not uids:
+            return None
+        task = asyncio.create_task(self._resolve(uids))
+        self._resolving.add(task)
+        task.add_done_callback(self._resolving.discard)
+        return task
+
+    async def _resolve(self, uids: list[str]) -> None:
+        try:
+            await self._republish([u for u in uids if u in self._metas], time.monotonic())
+        except Exception:  # a bug here must not go unseen, nor end the watch
+            log.exception("pod watch: resolving identities failed")
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -593,21 +718,40 @@ class PodWatch:
 
     async def _refresh(self, now: float) -> None:
         """Resolve the identity of every live pod again and publish the ones that changed, as
-        an event of the pod would (the identity stage then sends `PodIdentity`). Deleted pods
-        keep the identity they had."""
-        live = [(uid, meta) for uid, meta in self._metas.items()
-                if (pv := self.view.get(uid)) is not None and not pv.deleted]  # fmt: skip
-        resolved = [(uid, meta, await self._identity(meta, now)) for uid, meta in live]
-        view: dict[str, PodView] | None = None
-        for uid, meta, identity in resolved:
-            pv = self.view.get(uid)
-            # An event or a list that came in meanwhile resolved the pod from newer metadata.
-            if pv is None or pv.deleted or self._metas.get(uid) is not meta:
-                continue
-            if pv.identity != identity:
-                view = dict(self.view) if view is None else view
-                view[uid] = dataclasses.replace(pv, identity=identity)
-        if view is not None:
+        an event of the pod would (the identity stage then sends `PodIdentity`)."""
+        await self._republish(list(self._metas), now)
+
+    async def _republish(self, uids: list[str], now: float) -> None:
+        """Resolve these pods' identities, all at once (each owner and namespace is read
+        once), and publish each one that changed as soon as it is resolved."""
+        live = [(uid, meta) for uid in uids if (meta := self._metas.get(uid)) is not None
+                and (pv := self.view.get(uid)) is not None and not pv.deleted]  # fmt: skip
+        await asyncio.gather(*(self._republish_one(uid, meta, now) for uid, meta in live))
+
+    async def _republish_one(self, uid: str, meta: ObjectMeta, now: float) -> None:
+        """Read the pod's owner and namespace (what is not current) and publish the identity
+        the caches then give after each read: one that hangs holds back not the other."""
+
+        async def then_publish(read: Awaitable[object]) -> None:
+            await read
+            self._publish_known(uid, meta)
+
+        await asyncio.gather(
+            then_publish(self._owners.workload(meta, now)),
+            then_publish(self._namespaces.labels(meta.namespace, now)),
+        )
+
+    def _publish_known(self, uid: str, meta: ObjectMeta) -> None:
+        pv = self.view.get(uid)
+        # Deleted pods keep the identity they had; an event or a list that came in meanwhile
+        # resolved the pod from newer metadata.
+        if pv is None or pv.deleted or self._metas.get(uid) is not meta:
+            return
+        now = time.monotonic()
+        identity, _ = self._known(meta, now)
+        if pv.identity != identity:
+            view = dict(self.view)
+            view[uid] = dataclasses.replace(pv, identity=identity)
             self.view = self._pruned(view, now)
 
     def _pruned(self, view: dict[str, PodView], now: float) -> dict[str, PodView]:
