@@ -23,6 +23,7 @@ from collector.aggregate.windows import WindowSettings
 from collector.events import Event
 from collector.layout.declarations import MAGIC, V12, Layout
 from collector.node.diff import Presence
+from collector.node.hostpids import HostPidMemory
 from collector.node.scan import Scanner
 from collector.simulate import CacheWriter, GiB, MiB, SimDevice
 
@@ -145,6 +146,8 @@ class Lab:
         self.proc = tmp / name / "proc" if host_proc else None
         if self.proc is not None:
             self.proc.mkdir()
+        self.log = tmp / name / "log"  # the collector's own folder (its host-pid judgements)
+        self.log.mkdir()
         self.clock = FakeClock(T0_MS)
         self.inc = 1000
         self.scanner = self._scanner()
@@ -161,6 +164,7 @@ class Lab:
             inc=self.inc,
             clock=self.clock,
             host_proc=None if self.proc is None else str(self.proc),
+            host_pids=None if self.proc is None else HostPidMemory(self.log),
             after_ms=after_ms,
             presence_policy=self.presence,
             reuse=self.reuse,

@@ -264,6 +264,17 @@ def host_pid_reused(lab: Lab, s: int) -> None:
         (lab.proc / "4001").mkdir()
 
 
+def restarted_at(restart_at: int, script: Script) -> Script:
+    """`script`, with the collector restarted at `restart_at`."""
+
+    def restarted(lab: Lab, s: int) -> None:
+        script(lab, s)
+        if s == restart_at:
+            lab.restart_collector()
+
+    return restarted
+
+
 # --- scenarios that were already billed exactly ---------------------------------------------
 
 
@@ -422,6 +433,10 @@ FIXED: dict[str, tuple[Script, bool]] = {  # name -> (script, with a host /proc)
     # device 0 copied, device 1 still pid 1's
     "compaction_preempted_mid_copy": (compaction_preempted("used[0]"), False),
     "host_pid_reused": (host_pid_reused, True),
+    # reused before the restart: the new incarnation takes the judgement from the last one
+    "host_pid_reused_then_restart": (restarted_at(50, host_pid_reused), True),
+    # the process that took the slot over is idle from 50: still billed after the restart
+    "host_pid_lookup_timeout_then_restart": (restarted_at(70, host_pid_lag(None)), True),
 }
 PASSING: dict[str, tuple[Script, bool]] = {
     "pid_reuse": (pid_reuse, False),

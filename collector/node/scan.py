@@ -31,6 +31,7 @@ from .clock import Clock, EventClock, Step
 from .crosscheck import CrossCheck
 from .diff import FileState, Presence, diff
 from .discover import CacheFile, Discovery, ListingLimits, Skipped
+from .hostpids import HostPidMemory
 from .identity import IdentityStage
 from .presence import PresenceStage
 from .writer_faults import FileKey, WriterFaults, WriterFaultSettings
@@ -72,10 +73,12 @@ class Scanner:
         presence: PresenceStage | None = None,
         presence_policy: Presence = "folder",
         reuse: bool = True,
+        host_pids: HostPidMemory | None = None,
     ) -> None:
         """`reuse=False` parses every file in full and diffs every snapshot, as before
         ParseMemo (tests and benchmarks compare the two). `scan_interval_s`: the service's
-        interval between scans, if any (heartbeats go out on scans)."""
+        interval between scans, if any (heartbeats go out on scans). `host_pids`: where the
+        `host_proc` judgements are kept across restarts."""
         self.discovery = Discovery(root, listing)
         self.reuse = reuse
         self.writer_faults = WriterFaults(writer_faults)
@@ -92,6 +95,7 @@ class Scanner:
             self.heartbeat_every_ms = max(-(-self.heartbeat_ms // scan_ms), 1) * scan_ms
             self._heartbeat_due_ms = self.heartbeat_every_ms - scan_ms // 2
         self.host_proc = host_proc
+        self.host_pids = host_pids
         self.presence_policy: Presence = presence_policy
         self.crosscheck = crosscheck
         self.identity = identity
@@ -180,6 +184,8 @@ class Scanner:
             if st is None:
                 st = FileState(self._next_cid, f.pod_uid, f.container, f.path)
                 self._next_cid += 1
+                if self.host_pids is not None:
+                    self.host_pids.seed(key, st)
             snap = self._read(f, refused, now_s)
             if snap is None:
                 continue  # vanished or refused: gone (ContainerGone below if it had appeared)
@@ -208,6 +214,8 @@ class Scanner:
             if gone.appeared:
                 events.append(self._stamp(ContainerGone, cid=gone.cid))
         self._files = present
+        if self.host_pids is not None:
+            self.host_pids.save(present)
         if presence is not None:
             events += presence.process(self._files.values(), self._ts, self._stamp)
         if self.crosscheck is not None:

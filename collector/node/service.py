@@ -24,6 +24,7 @@ from ..transport.locallog import LocalLog, LogReader
 from .crosscheck import CrossCheck, DriftTolerance
 from .diff import Presence
 from .discover import ListingLimits
+from .hostpids import HostPidMemory
 from .identity import IdentityStage
 from .metrics import Health, KubeHealth, MetricsServer, PodNames, Scrape
 from .nvml import NvmlSource
@@ -116,6 +117,7 @@ class Collector:
             heartbeat_s=settings.heartbeat_s,
             scan_interval_s=settings.interval_s,
             host_proc=settings.host_proc,
+            host_pids=HostPidMemory(settings.log_dir) if settings.host_proc else None,
             crosscheck=crosscheck,
             listing=settings.listing,
             writer_faults=settings.writer_faults,
