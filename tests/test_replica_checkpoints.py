@@ -20,6 +20,7 @@ from collector.aggregate.service import (
     Checkpoint,
     Outputs,
     merge_checkpoints,
+    parse_checkpoint,
     run_local,
 )
 from collector.aggregate.windows import Aggregator
@@ -115,6 +116,38 @@ def test_an_output_left_out_of_a_run_keeps_what_was_committed_for_it(tmp_path: P
     assert again.first_start  # the JSONL's length is committed at once
     assert again.checkpoint(AT_T0).replicas["0"] == [size, 0, 5]
     again.close_files()
+
+
+@pytest.mark.parametrize(
+    "older",
+    [
+        '{"emitted_until_ms": 1, "replicas": {"0": [0, 0]}}',  # per-replica lengths
+        '{"emitted_until_ms": 1}',  # before them: csv_bytes and jsonl_bytes left out as 0
+    ],
+)
+def test_a_checkpoint_of_an_older_release_cuts_no_file_it_did_not_write(
+    tmp_path: Path, older: str
+) -> None:
+    """Releases before the -1 of an output never written committed 0 for an output left out
+    of a run: the next run with it cut the file to nothing (a CSV of 60 records gone)."""
+    records = reference(build(tmp_path / "nodes", T0_MS))
+    csv_path, jsonl_path = tmp_path / "0.csv", tmp_path / "0.jsonl"
+    out = Outputs.open(str(csv_path), str(jsonl_path), None, None, "0")
+    out.write(records[:20])
+    out.close_files()
+    sizes = (csv_path.stat().st_size, jsonl_path.stat().st_size)
+    again = Outputs.open(str(csv_path), str(jsonl_path), None, parse_checkpoint(older), "0")
+    assert (csv_path.stat().st_size, jsonl_path.stat().st_size) == sizes
+    assert again.first_start  # its lengths are committed at once
+    again.write(records[20:30])
+    again.close_files()
+    assert record_ids(csv_path) == [r.record_id for r in records[:30]]
+    assert len(jsonl_path.read_bytes().splitlines()) == 30
+    # This release's commits say -1 for a file never written: a JSON Lines file committed at
+    # 0 and written after its commit is cut back to 0 (those records are recomputed).
+    current = Checkpoint(1, sizes[0], 0, {"0": [sizes[0], 0]}, WINDOW.window_ms)
+    Outputs.open(str(csv_path), str(jsonl_path), None, current, "0").close_files()
+    assert (csv_path.stat().st_size, jsonl_path.stat().st_size) == (sizes[0], 0)
 
 
 class Crash(Exception):

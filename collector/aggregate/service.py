@@ -76,13 +76,24 @@ class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def lengths_of(self, instance: str) -> tuple[int | None, int | None] | None:
         """The committed file lengths of replica `instance` (None for a file it never wrote);
-        None if it never committed."""
+        None if it never committed.
+
+        Releases before NEVER_WRITTEN committed 0 for an output not configured, and the next
+        run with it cut the file to nothing. A CSV sink writes its header as it opens, so no
+        release committed a CSV it had written at 0: a CSV at 0 is never written. So is a JSON
+        Lines file at 0 in a checkpoint without the window size (those releases; a file they
+        had written and not yet committed past 0 is kept, not cut)."""
         if not self.replicas:
-            return self.csv_bytes, self.jsonl_bytes
-        mine = self.replicas.get(instance)
-        if mine is None or len(mine) < 2:
+            csv, jsonl = self.csv_bytes, self.jsonl_bytes
+        elif (mine := self.replicas.get(instance)) is not None and len(mine) >= 2:
+            csv, jsonl = mine[0], mine[1]
+        else:
             return None
-        return _written(mine[0]), _written(mine[1])
+        older = not self.window_ms
+        return (
+            None if csv == 0 else _written(csv),
+            None if jsonl == 0 and older else _written(jsonl),
+        )
 
     def parquet_of(self, instance: str) -> int | None:
         """The committed Parquet part count of replica `instance`; None if it has none."""
