@@ -102,6 +102,8 @@ class CollectConfig(KafkaClientConfig, frozen=True, kw_only=True, forbid_unknown
     def __post_init__(self) -> None:
         super().__post_init__()
         check.path("root", self.root)
+        if self.node == "":  # (what deploy/config.toml set before 2026-12-01, for the default)
+            raise ValueError("node: must not be empty (leave it out: $NODE_NAME, else host name)")
         if self.node is not None:
             check.node_name("node", self.node)
         check.bootstrap("kafka", self.kafka)

@@ -164,6 +164,12 @@ class Replay:
         return report("replay", self.stats, counted, future_by_node(self._aggs.values()), written)
 
 
+def _replaced(window: WindowSettings) -> Checkpoint:
+    """New files for the range (what was in them before is replaced): a checkpoint of this
+    release with every file at 0 (`Checkpoint.lengths_of`: an older release's 0 keeps them)."""
+    return Checkpoint(window_ms=window.window_ms)
+
+
 def replay_local(
     log_dir: Path, window: WindowSettings, rng: ReplayRange, csv: str | None, jsonl: str | None
 ) -> tuple[str, InputStats]:
@@ -188,8 +194,7 @@ def replay_local(
             time.sleep(TAIL_SETTLE_S)
             torn = reader.torn_tail()
         damage.torn_tail_bytes = torn
-    # A new file for the range: what was in it before is replaced.
-    outputs = Outputs.open(csv, jsonl, None, Checkpoint())
+    outputs = Outputs.open(csv, jsonl, None, _replaced(window))
     try:
         stats = replay.finish(outputs)
     finally:
@@ -213,7 +218,7 @@ async def replay_kafka(
             replay.lost_history(missing_history(b, reading.first[tp], reading.first_ts[tp], start))
         async for batch in reading.batches(replay.finished):
             replay.feed([Raw(m.partition, m.offset, m.timestamp, m.key, m.value) for m in batch])
-    outputs = Outputs.open(csv, jsonl, None, Checkpoint())
+    outputs = Outputs.open(csv, jsonl, None, _replaced(window))
     try:
         stats = replay.finish(outputs)
     finally:

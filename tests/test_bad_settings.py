@@ -66,7 +66,10 @@ COLLECT = [
         "invalid setting node: 'nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn'... "
         "is not 1 to 253 printable characters without spaces",
     ),
-    (["--node", ""], "invalid setting node: must not be empty"),
+    (
+        ["--node", ""],
+        "invalid setting node: must not be empty (leave it out: $NODE_NAME, else host name)",
+    ),
     (
         ["--topic", "a/b"],
         "invalid setting topic: 'a/b' is not 1 to 249 of the characters A-Z a-z 0-9 . _ -",
@@ -128,8 +131,13 @@ def test_an_empty_node_is_refused_wherever_it_is_set(
     env = {"HAMI_USAGE_NODE": ""} if where == "env" else {}
     proc = run("collect", "--root", paths["root"], "--log", paths["log"], "--max-scans", "1",
                *args, cwd=tmp_path, extra_env=env)  # fmt: skip
-    assert_one_line(proc, "hami-usage collect: invalid setting node: must not be empty")
+    assert_one_line(
+        proc,
+        "hami-usage collect: invalid setting node: must not be empty "
+        "(leave it out: $NODE_NAME, else host name)",
+    )
     assert os.listdir(paths["log"]) == []
+
 
 def test_collect_metrics_port_in_use(paths: dict[str, str], tmp_path: Path) -> None:
     with socket.socket() as taken:
@@ -365,6 +373,7 @@ def test_two_outputs_that_are_one_file_are_refused(
     assert sorted(os.listdir(tmp_path)) == sorted(["a-file", "link", "log", "root"]
                                                   + (["out"] if how != "new" else []))  # fmt: skip
 
+
 @pytest.mark.parametrize("inside", ["spool", ".", "pod_x/spool"])
 def test_a_collector_log_inside_its_root_is_refused(
     paths: dict[str, str], tmp_path: Path, inside: str
@@ -416,6 +425,7 @@ def test_topics_refuses_a_retention_that_rounds_to_no_millisecond(tmp_path: Path
         proc,
         "hami-usage topics: invalid setting usage_retention_days: 1e-09 days is less than 1 ms",
     )
+
 
 @pytest.mark.parametrize("name", ["replication_factor", "min_insync_replicas"])
 def test_topics_refuses_more_replicas_than_kafkas_16_bit_field_holds(
@@ -491,6 +501,7 @@ def test_a_password_file_that_is_no_regular_file_of_at_most_1_mib(
     proc = run(*SASL, secret, cwd=tmp_path)
     assert_one_line(proc, f"hami-usage aggregate: kafka_password_file {secret}: {why}")
 
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -527,6 +538,7 @@ def test_simulate_with_a_file_where_a_container_folder_goes(tmp_path: Path) -> N
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         1, "", f"hami-usage simulate: root/{name}: not a directory\n"
     )  # fmt: skip
+
 
 @pytest.mark.parametrize(
     "args,message",
@@ -722,7 +734,7 @@ def test_report_refuses_to_write_its_bill_over_its_prices_or_settings(
 ) -> None:
     """`--prices p.toml --out-csv p.toml` replaced the prices with the bill, exit 0."""
     (tmp_path / "in").write_text("x\n")
-    text = {"--prices": 'default = 1.20\n', "--config": "[report]\n"}[source]
+    text = {"--prices": "default = 1.20\n", "--config": "[report]\n"}[source]
     (tmp_path / "s.toml").write_text(text)
     (tmp_path / "link").symlink_to("s.toml")
     proc = run("report", *REPORT_SPAN, "--csv", "in", source, "s.toml", output, "./link",
@@ -767,6 +779,7 @@ def test_sasl_settings_without_sasl_are_refused(
                cwd=tmp_path, extra_env=env)  # fmt: skip
     assert_one_line(proc, f"hami-usage topics: {name} needs kafka_security_protocol SASL_SSL")
     assert "s3cret" not in proc.stderr
+
 
 @pytest.mark.parametrize("content", [b"", b"\n", b" \n\n"], ids=["empty", "newline", "blank"])
 def test_an_empty_password_is_no_password(tmp_path: Path, content: bytes) -> None:

@@ -79,10 +79,10 @@ class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
         None if it never committed.
 
         Releases before NEVER_WRITTEN committed 0 for an output not configured, and the next
-        run with it cut the file to nothing. A CSV sink writes its header as it opens, so no
-        release committed a CSV it had written at 0: a CSV at 0 is never written. So is a JSON
-        Lines file at 0 in a checkpoint without the window size (those releases; a file they
-        had written and not yet committed past 0 is kept, not cut)."""
+        run with it cut the file to nothing. Their checkpoints have no window size (recorded
+        since a later release): in one of those a file at 0 is never written. A CSV sink
+        writes its header as it opens, so none of them had written a CSV committed at 0; a JSON
+        Lines file they had written and not yet committed past 0 is kept, not cut."""
         if not self.replicas:
             csv, jsonl = self.csv_bytes, self.jsonl_bytes
         elif (mine := self.replicas.get(instance)) is not None and len(mine) >= 2:
@@ -91,7 +91,7 @@ class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
             return None
         older = not self.window_ms
         return (
-            None if csv == 0 else _written(csv),
+            None if csv == 0 and older else _written(csv),
             None if jsonl == 0 and older else _written(jsonl),
         )
 
