@@ -26,6 +26,7 @@ from collector.events import (
     ContainerAppeared,
     ContainerGone,
     Event,
+    Heartbeat,
     ProcessExited,
     ProcessStarted,
     UsageRow,
@@ -260,6 +261,44 @@ def test_collect_into_the_local_log_matches_the_simulator(
     # processes and the absolute data/NVML totals of their last sample.
     assert fold(second) == model
     assert {c for c in model} == {(c.pod_uid, c.name) for c in sim.containers}
+
+
+def test_events_dropped_at_the_end_of_a_run_are_told_and_reported(
+    node: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The size bound drops events and the run ends before the log takes events again: no later
+    event showed their seq gap, nor any heartbeat their count, and the aggregator said "damage:
+    none", exit 0. The stopping collector's last heartbeat (past the bound) tells them."""
+    root, proc_dir = node
+    log = tmp_path / "log"
+    sim = Sim(root, proc_dir, 6, seed=5)
+    try:
+        with SimThread(sim, 0.02):
+            err = run_collector(
+                collect_cmd(root, log, proc_dir, "--interval", "0.1", "--heartbeat", "60",
+                            "--log-max-bytes", "20000", "--max-scans", "30"),
+                tmp_path,
+            )  # fmt: skip
+    finally:
+        sim.close()
+    m = re.search(r"collector stopped: (\d+) events appended, (\d+) dropped", err)
+    assert m, err
+    appended, dropped = int(m.group(1)), int(m.group(2))
+    assert dropped > 0, err
+    records = read_all(log)
+    events = [decode(r.value) for r in records]
+    assert len(events) == appended
+    last = events[-1]
+    assert isinstance(last, Heartbeat) and last.dropped == dropped
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
+    assert last.seq - len(events) + 1 == dropped  # the gap in seq before it
+    agg = subprocess.run(
+        [str(HAMI_USAGE), "aggregate", "--log", str(log), "--drain", "--no-otlp",
+         "--csv", str(tmp_path / "out.csv")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert agg.returncode == 3, agg.stderr
+    assert f"seq_missing={dropped} (collectors reported {dropped} dropped)" in agg.stderr
 
 
 def test_sigterm_mid_run_exits_0_and_everything_appended_is_readable(

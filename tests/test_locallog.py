@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collector.aggregate.service import CheckpointError, open_checkpoint
+from collector.node.service import last_event_ms
 from collector.transport import locallog
 from collector.transport.kafka import FORWARDER_GROUP, KafkaForwarder, ProducerSettings
 from collector.transport.locallog import (
@@ -274,7 +275,8 @@ def test_no_smaller_record_slips_in_while_the_bound_rejects(tmp_path: Path) -> N
         assert log.append(KEY, bytes(2 * FRAME), 0) is None
         assert log.append(KEY, value(9), 1009) is None  # one frame: it alone would fit
         assert (log.blocked, log.stats.blocked_episodes) == (
-            f"size bound of {10 * FRAME} bytes reached", 1
+            f"size bound of {10 * FRAME} bytes reached",
+            1,
         )
         assert log.append(KEY, bytes(11 * FRAME), 0) is None  # can never fit: wedges nothing
         log.flush()
@@ -327,6 +329,10 @@ def test_bound_reclaims_segments_consumers_are_done_with(tmp_path: Path) -> None
 
 
 def test_bound_smaller_than_a_segment_reclaims_the_active_one(tmp_path: Path) -> None:
+    """The segment sealed for that holds the last record written: it is unlinked only once a
+    later one is written (unlinked at once, a kill before the next write left no record on
+    disk, and a restart found no last event time: its clock fell back to the wall clock,
+    behind its last event after a step back)."""
     reader = LogReader(tmp_path)
     with LocalLog(tmp_path, segment_bytes=100 * FRAME, max_bytes=4 * FRAME) as log:
         fill(log, 0, 4)
@@ -335,8 +341,12 @@ def test_bound_smaller_than_a_segment_reclaims_the_active_one(tmp_path: Path) ->
         log.flush()
         reader.commit("spool", 4)
         fill(log, 4, 5)
+        assert log.stats.reclaimed_bytes == 4 * FRAME  # out of the bound's count at once
+        assert segment_bases(tmp_path) == [0, 4]
+        assert last_event_ms(tmp_path, log.next_offset - 1) == 1003  # what a kill now leaves
+        log.flush()
         assert segment_bases(tmp_path) == [4]
-        assert log.stats.reclaimed_bytes == 4 * FRAME
+        assert last_event_ms(tmp_path, log.next_offset) == 1004
         assert log.stats.rejected_records == 1
     assert reader.read(4) == [record(4)]
 
@@ -927,9 +937,7 @@ def test_a_checkpoint_that_is_no_file_is_one_reason_never_a_hang(tmp_path: Path,
     assert not thread.is_alive()  # no wait on the FIFO, no endless read
     (exc,) = result
     assert isinstance(exc, CheckpointError)
-    assert str(exc) == (
-        f"checkpoint of group hami-usage-aggregator unreadable: {path}: {reason}"
-    )
+    assert str(exc) == (f"checkpoint of group hami-usage-aggregator unreadable: {path}: {reason}")
     with LocalLog(tmp_path) as log:  # (it rewinds checkpoints past its end when it opens)
         assert log.append(KEY, value(99), 5000) == 10
 
@@ -957,9 +965,10 @@ def test_a_filesystem_that_refuses_fsync_loses_no_record(
     the episode is logged once and its end once, and every record is kept."""
     fsync = FailingFsync(errno.EINVAL)
     writer_log = "collector.transport.locallog.writer"
-    with caplog.at_level(logging.WARNING, logger=writer_log), LocalLog(
-        tmp_path, segment_bytes=20 * FRAME, fsync=True
-    ) as log:
+    with (
+        caplog.at_level(logging.WARNING, logger=writer_log),
+        LocalLog(tmp_path, segment_bytes=20 * FRAME, fsync=True) as log,
+    ):
         monkeypatch.setattr(os, "fsync", fsync)
         for i in range(50):  # (rolls a segment every 20)
             assert log.append(KEY, value(i), 1000 + i) == i

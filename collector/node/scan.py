@@ -247,6 +247,14 @@ class Scanner:
         self.published = [(s, self._files[k].last_kernel_time) for k, s in states.items()]
         return events
 
+    def last_heartbeat(
+        self, *, spool_depth: int = 0, dropped: int = 0, log_blocked: int = 0
+    ) -> list[Event]:
+        """A heartbeat now, out of turn: what a collector that stops says last (the events it
+        dropped since its last heartbeat that was stored)."""
+        events = self._event_time(None)
+        return events + self._heartbeat(0.0, spool_depth, dropped, log_blocked)
+
     def _keep_unlisted(
         self, present: dict[FileKey, FileState], seen: dict[FileKey, Snapshot]
     ) -> list[Event]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..events import Event, encode
+from ..events import Event, Heartbeat, encode
 from ..runtime import tune_gc
 from ..transport.kafka import KafkaForwarder, ProducerSettings
 from ..transport.locallog import LocalLog, LogReader
@@ -71,6 +71,7 @@ class CollectorStatus:
     blocked_since: float = 0.0  # monotonic start of that episode
     dropped_at_block: int = 0  # `dropped` when it began
     episodes: int = 0  # the local log's episodes seen so far
+    dropped_told: int = 0  # `dropped` of the last heartbeat the local log stored
 
 
 def last_event_ms(log_dir: Path, next_offset: int) -> int | None:
@@ -144,13 +145,16 @@ class Collector:
         # pod UID -> (namespace, name) for /metrics: what the identity stage last sent.
         self.pod_names: PodNames = self._pod_name
 
-    def _append(self, events: list[Event]) -> None:
+    def _append(self, events: list[Event], *, beyond_bound: bool = False) -> None:
         dropped = self.status.dropped
         for event in events:
-            if self.log.append(self._key, encode(event), event.ts) is None:
+            at = self.log.append(self._key, encode(event), event.ts, beyond_bound=beyond_bound)
+            if at is None:
                 self.status.dropped += 1
             else:
                 self.status.appended += 1
+                if isinstance(event, Heartbeat):
+                    self.status.dropped_told = event.dropped
         self.log.flush()
         self._watch_log(dropped)
         if self.forwarder is not None:
@@ -298,6 +302,18 @@ class Collector:
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
         finally:
             self.stopping.set()
+            if self.status.dropped > self.status.dropped_told:
+                # Events dropped since the last heartbeat stored: no later event would show
+                # their seq gap, nor any heartbeat their count (the aggregator said "damage:
+                # none"). One heartbeat more, past the size bound if it is what refuses.
+                self._append(
+                    self.scanner.last_heartbeat(
+                        spool_depth=self.spool_depth(),
+                        dropped=self.status.dropped,
+                        log_blocked=self.log.stats.blocked_episodes,
+                    ),
+                    beyond_bound=True,
+                )
             if watch is not None:
                 watch.cancel()
                 await asyncio.wait({watch})  # (a watch that failed was said when it stopped)

@@ -121,6 +121,9 @@ class LocalLog:
         self._unread: str | None = None  # why the consumers' checkpoints could not be read
         self._last_retry = 0.0
         self._fd: int | None = None  # the newest segment; None until the disk let it be created
+        # Sealed segments the size bound let go while they held the last record written: out
+        # of the bound's count at once, unlinked once a later record is written (see _make_room).
+        self._doomed: list[int] = []
         directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock()
         try:
@@ -272,9 +275,12 @@ class LocalLog:
         """Records accepted but not yet handed to the OS (held while the disk refuses them)."""
         return self._next_offset - self._written_offset
 
-    def append(self, key: bytes, value: bytes, timestamp_ms: int) -> int | None:
+    def append(
+        self, key: bytes, value: bytes, timestamp_ms: int, *, beyond_bound: bool = False
+    ) -> int | None:
         """Store a record and return its offset, or None when it is rejected: the disk
-        refuses writes or the size bound is reached (see `blocked`)."""
+        refuses writes or the size bound is reached (see `blocked`). `beyond_bound`: the
+        size bound does not reject it (a writer's last words, which say what it dropped)."""
         self._check_open()
         if len(key) > _MAX_KEY:
             raise ValueError(f"key of {len(key)} bytes is longer than {_MAX_KEY}")
@@ -290,7 +296,9 @@ class LocalLog:
         # a smaller one slipping in would end the episode at once and put events in the log
         # after the ones they follow were dropped (one that can never fit does not wedge it).
         need = max(n, self._need) if n <= self._max_bytes else n
-        if self._total_bytes + need > self._max_bytes and not self._make_room(need):
+        if beyond_bound:
+            self._make_room(n)  # (what it can; the record goes in regardless)
+        elif self._total_bytes + need > self._max_bytes and not self._make_room(need):
             if n <= self._max_bytes:
                 self._need = need
             reason = f"size bound of {self._max_bytes} bytes reached"
@@ -321,7 +329,7 @@ class LocalLog:
         self._next_offset = offset + 1
         self._total_bytes += n
         self.stats.appended_records += 1
-        if self._io_error is None:
+        if self._io_error is None and not beyond_bound:
             self._blocked = None
         return offset
 
@@ -518,14 +526,23 @@ class LocalLog:
             except OSError as exc:
                 self._failed(exc)
                 return False
+            # The segment just sealed holds the last record written, which a restart reads for
+            # the last event time (its clock never starts before it): unlinked now, a kill
+            # before the next write left no record at all, and the restart began at the wall
+            # clock (behind its last event after a step back).
             while len(self._bases) > 1:
-                self.stats.reclaimed_bytes += self._delete_oldest()
+                self.stats.reclaimed_bytes += self._delete_oldest(later=True)
         return self._total_bytes + n <= self._max_bytes
 
-    def _delete_oldest(self) -> int:
+    def _delete_oldest(self, *, later: bool = False) -> int:
+        """Let the oldest segment go: unlinked now, or (`later`) once a later record is
+        written (with `fsync`, once it is durable)."""
         base, size = self._bases[0], self._sizes[0]
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._dir / segment_name(base))
+        if later:
+            self._doomed.append(base)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._dir / segment_name(base))
         del self._bases[0], self._sizes[0]
         self._total_bytes -= size
         return size
@@ -555,6 +572,13 @@ class LocalLog:
         self._pending.clear()
         self._unsynced = True
         self._written_offset = self._next_offset
+        if self._doomed:
+            if self._fsync:
+                self._sync()
+            for base in self._doomed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._dir / segment_name(base))
+            self._doomed.clear()
 
     def _check_open(self) -> None:
         if self._closed:
