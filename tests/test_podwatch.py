@@ -829,3 +829,47 @@ async def test_the_cluster_role_grants_exactly_what_the_watch_asks(
         for verb in rule["verbs"]
     }
     assert granted == used
+
+
+def job_statuses(server: ApiServer) -> list[int]:
+    return [r.status for r in server.requests if "/jobs/" in r.path]
+
+
+@pytest.mark.parametrize("held", [True, False])
+async def test_a_pod_deleted_before_its_owner_is_read_is_named_once_it_is(
+    server: ApiServer, tmp_path: Path, held: bool
+) -> None:
+    """Deleted while its Job get hangs, or added and deleted in one batch of the watch: it kept
+    the Job's name (and no namespace labels) for as long as a deleted pod is kept."""
+    if held:
+        server.held = {"jobs"}
+        uid = server.add_cronjob_pod("ml", "nightly", ["eval"])["metadata"]["uid"]
+    async with watching(server, tmp_path, request_timeout_s=60, batch_s=0.3) as watch:
+        if held:
+            await until(lambda: uid in watch.view and job_statuses(server) == [0])
+            assert workload(watch, uid) == ("Job", "nightly-29412360")
+        else:
+            await asyncio.wait_for(watch.synced.wait(), 30)
+            uid = server.add_cronjob_pod("ml", "nightly", ["eval"])["metadata"]["uid"]
+        server.delete_pod(uid)
+        await until(lambda: uid in watch.view and watch.view[uid].deleted)
+        server.held = set()
+        await until(lambda: workload(watch, uid) == ("CronJob", "nightly"))
+        assert names(watch)[uid][4] == {"cost-center": "cc-17"}
+        assert job_statuses(server) == [200]
+
+
+async def test_the_events_of_a_pod_whose_owner_read_hangs_share_one_task(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    server.held = {"jobs"}
+    uid = server.add_cronjob_pod("ml", "nightly", ["eval"])["metadata"]["uid"]
+    async with watching(server, tmp_path, request_timeout_s=60) as watch:
+        await until(lambda: uid in watch.view)
+        for i in range(50):
+            server.relabel(uid, team=f"t{i}")
+        await until(lambda: names(watch)[uid][4].get("team") == "t49")
+        assert len(watch._resolving) == 1 and job_statuses(server) == [0]
+        server.held = set()
+        await until(lambda: workload(watch, uid) == ("CronJob", "nightly"))
+        assert names(watch)[uid][4]["team"] == "t49"

@@ -150,6 +150,21 @@ def test_a_checkpoint_of_an_older_release_cuts_no_file_it_did_not_write(
     assert (csv_path.stat().st_size, jsonl_path.stat().st_size) == (sizes[0], 0)
 
 
+def test_a_rewind_cuts_a_json_lines_file_committed_empty_back_to_empty(tmp_path: Path) -> None:
+    """After a lost membership the files go back to the last commit, as a restart from it
+    would: a JSON Lines file committed at 0 kept the aborted transaction's records (written
+    again when those windows were recomputed)."""
+    records = reference(build(tmp_path / "nodes", T0_MS))
+    csv_path, jsonl_path = tmp_path / "0.csv", tmp_path / "0.jsonl"
+    out = Outputs.open(str(csv_path), str(jsonl_path), None, None, "0")
+    header = out.checkpoint(AT_T0).replicas["0"][0]
+    out.committed()
+    out.write(records[:20])
+    out.rewind()
+    out.close()
+    assert (csv_path.stat().st_size, jsonl_path.stat().st_size) == (header, 0)
+
+
 class Crash(Exception):
     """A stand-in for SIGKILL: the part is on disk, the commit never happens."""
 

@@ -218,3 +218,27 @@ def test_a_close_split_where_an_earlier_assignment_stopped_names_as_that_assignm
                       (240, "speech")], 0)  # fmt: skip
     for closed_before in (60_000, 120_000):
         assert named(closed_before) == first, closed_before
+
+
+def test_an_identity_past_its_retention_names_alike_however_the_input_is_advanced() -> None:
+    # Named once at 0 s (retention 250 s), renamed at 365 s, read after the sample of 360 s,
+    # within the lateness of [300, 360): advanced after each event (live prune had dropped the
+    # expired entry) the window took the rename; advanced at the end, it was unnamed.
+    c = Collector()
+    events = steady(c, 480)
+    events.insert(3, ident(c, 0, TEAM_A))
+    at = next(i for i, e in enumerate(events) if e.ts > 365_000)
+    events.insert(at, ident(c, 365_000, TEAM_B))
+    got = []
+    for advance_each in (True, False):
+        agg = Aggregator(S)
+        out: list[BillingRecord] = []
+        for i, e in enumerate(events):
+            agg.add("n1", e, offset=i)
+            if advance_each:
+                out += agg.advance()
+        out += agg.flush()
+        teams = [(r.window_start_ms // 1000, r.labels.get("team")) for r in out if r.pod_uid]
+        got.append((teams, agg.stats.unnamed_records))
+    assert got[0] == got[1]
+    assert dict(got[0][0])[300] == "speech"

@@ -196,6 +196,7 @@ class Outputs:
     # the last commit (its checkpoint, to cut back to) and the records written by then:
     # `rewind` goes back to it
     kept: tuple[Checkpoint | None, int] = (None, 0)
+    window_ms: int = 0  # of the records of the last checkpoint
 
     @classmethod
     def open(
@@ -270,7 +271,9 @@ class Outputs:
     def committed(self) -> None:
         """The transaction with this replica's lengths (`checkpoint`) has committed."""
         if self.instance in self.replicas:
-            self.kept = Checkpoint(replicas=dict(self.replicas)), self.written
+            # (with this run's window size: a checkpoint of this release, whose 0 is a length)
+            kept = Checkpoint(replicas=dict(self.replicas), window_ms=self.window_ms)
+            self.kept = kept, self.written
             self.first_start = False
 
     def rewind(self) -> None:
@@ -313,6 +316,7 @@ class Outputs:
         if self.parquet is None and len(was) < 3:
             del mine[2]  # (never written with --parquet: no part count)
         self.replicas[self.instance] = mine
+        self.window_ms = agg.settings.window_ms
         return Checkpoint(
             agg.emitted_until_ms,
             max(mine[0], 0),

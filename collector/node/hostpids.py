@@ -34,7 +34,7 @@ FILE_NAME = "host-pids.json"
 class Slot(msgspec.Struct, array_like=True, frozen=True):
     pid: int
     hostpid: int
-    rows: list[UsageRow]  # the counters first seen with its host pid gone
+    rows: list[UsageRow]  # the counters first seen with its host pid gone ([]: vouched for)
 
 
 class Judged(msgspec.Struct, frozen=True):
@@ -59,11 +59,9 @@ class HostPidMemory:
 
     def _load(self) -> dict[FileKey, Judged]:
         try:
-            data = self._path.read_bytes()
+            files = _decoder.decode(self._path.read_bytes())
         except FileNotFoundError:
             return {}
-        try:
-            files = _decoder.decode(data)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning(
                 "%s cannot be used (%s): every slot is judged afresh",
@@ -91,7 +89,12 @@ class HostPidMemory:
                 key[0],
                 key[1],
                 key[2],
-                [Slot(k[0], k[1], rows) for k, rows in sorted(st.dead_rows.items())],
+                # A vouched-for slot's rows are its last read (never compared while it is
+                # vouched for): left out, or every scan of a busy process rewrote the file.
+                [
+                    Slot(k[0], k[1], [] if k in st.vouched else rows)
+                    for k, rows in sorted(st.dead_rows.items())
+                ],
                 sorted(st.dead),
                 sorted(st.vouched),
                 sorted(st.moving),

@@ -446,6 +446,9 @@ class PodWatch:
         self._owners = Owners(api, settings, self.stats, limit)
         self._namespaces = NamespaceLabels(api, settings, self.stats, limit)
         self._resolving: set[asyncio.Task[None]] = set()  # see `_resolve_later`
+        self._pending: set[str] = set()  # pods a `_resolve` task is reading for
+        # Pods deleted before their identity was read: what to read it from (see `_event`).
+        self._gone_metas: dict[str, ObjectMeta] = {}
         # The metadata of each live pod, what its identity is resolved from (the refresh).
         self._metas: dict[str, ObjectMeta] = {}
         self._selector = f"spec.nodeName={node}"
@@ -638,7 +641,12 @@ class PodWatch:
             final = None if old is None else dataclasses.replace(old, phase=last.phase,
                                                                  runs=last.runs())  # fmt: skip
             new = _deleted(final, now) if final is not None else None
-            self._metas.pop(meta.uid, None)
+            kept = self._metas.pop(meta.uid, None)
+            if new is not None and kept is not None and not self._known(kept, now)[1]:
+                # Still named as far as the caches knew: its reads name it once they answer
+                # (its containers may still be billed under that name).
+                self._gone_metas[meta.uid] = kept
+                self._resolve_later([meta.uid])
         else:
             self._metas[meta.uid] = _kept(meta)
             new, current = self._view_of(pod, old, now)
@@ -695,18 +703,41 @@ class PodWatch:
     def _resolve_later(self, uids: list[str]) -> asyncio.Task[None] | None:
         """Read the owners and namespaces of these pods in the background and publish what
         changes: one slow or hung get holds back no other pod's name, and no watch event."""
+        uids = [u for u in uids if u not in self._pending]  # (one task a pod at a time)
         if not uids:
             return None
+        self._pending.update(uids)
         task = asyncio.create_task(self._resolve(uids))
         self._resolving.add(task)
         task.add_done_callback(self._resolving.discard)
         return task
 
     async def _resolve(self, uids: list[str]) -> None:
+        began = {u: self._meta_of(u) for u in uids}
         try:
-            await self._republish([u for u in uids if u in self._metas], time.monotonic())
+            now = time.monotonic()
+            reads = [(u, m) for u, m in began.items() if m is not None]
+            await asyncio.gather(*(self._republish_one(u, m, now) for u, m in reads))
         except Exception:  # a bug here must not go unseen, nor end the watch
             log.exception("pod watch: resolving identities failed")
+        finally:
+            self._pending.difference_update(uids)
+            for u in uids:
+                self._gone_metas.pop(u, None)
+        # A pod's event while this read ran (its task skipped): named from its newer metadata
+        # as far as the caches know now, and read again if that is not current.
+        now = time.monotonic()
+        again: list[str] = []
+        for u in uids:
+            if (m := self._metas.get(u)) is not None and m is not began[u]:
+                self._publish_known(u, m)
+                if not self._known(m, now)[1]:
+                    again.append(u)
+        self._resolve_later(again)
+
+    def _meta_of(self, uid: str) -> ObjectMeta | None:
+        """What to name the pod from: its latest metadata, live or deleted unnamed."""
+        return self._metas.get(uid) or self._gone_metas.get(uid)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -743,9 +774,13 @@ class PodWatch:
 
     def _publish_known(self, uid: str, meta: ObjectMeta) -> None:
         pv = self.view.get(uid)
-        # Deleted pods keep the identity they had; an event or a list that came in meanwhile
-        # resolved the pod from newer metadata.
-        if pv is None or pv.deleted or self._metas.get(uid) is not meta:
+        # Deleted pods keep the identity they had, unless deleted unnamed (`_gone_metas`); an
+        # event or a list that came in meanwhile named the pod from newer metadata.
+        if pv is None:
+            return
+        if pv.deleted and self._gone_metas.get(uid) is not meta:
+            return
+        if not pv.deleted and self._metas.get(uid) is not meta:
             return
         now = time.monotonic()
         identity, _ = self._known(meta, now)

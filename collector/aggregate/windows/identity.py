@@ -71,10 +71,9 @@ class Identities:
         if not entries:
             return None
         i = _held(entries, window_end_ms)
-        if i is None:
+        # (one not restated for `retain_ms` is as if pruned, whether `prune` ran yet or not)
+        if i is None or entries[i][0] + self._retain <= window_end_ms - self._w:
             return _first_late(entries, window_end_ms, self._lateness)
-        if entries[i][0] + self._retain <= window_end_ms - self._w:
-            return None
         return entries[i][4]
 
     def prune(self, closed: int) -> None:
