@@ -4,14 +4,18 @@ legacy names (opt-in), /healthz, the bind address, and `promtool check metrics` 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
-from fake_nvml import FakeGpu, FakeMig, FakeNvml
+from fake_nvml import FakeGpu, FakeMig, FakeNvml, nvml_error
 from operator_tools import promtool_check_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -534,3 +538,108 @@ async def test_a_pod_watch_that_stopped_is_said_and_healthz_is_503(
     assert body.startswith("pod watch stopped (ValueError('x')): pods are not named; last scan")
     assert samples(page)[("hami_usage_kube_connected", frozenset())] == 0
     assert said == ["pod watch stopped: pod names are no longer updated"]
+
+
+async def test_a_gpu_nvml_cannot_read_now_is_not_served_with_its_last_values(
+    tmp_path: Path,
+) -> None:
+    """A GPU whose query fails (lost from the bus) stays in the inventory as last seen, but its
+    gauges were served with the values read before, forever, as were every GPU's while NVML
+    hung: a scrape could not tell them from a reading. They are left out until read again."""
+    node = Node(tmp_path)
+    collector = node.collector(tmp_path / "c", metrics_hami=True)
+    source = NvmlSource.open(api_factory=lambda: node.fake, timeout_s=0.3)
+    assert source is not None
+    collector.scanner.crosscheck = CrossCheck(source)
+    task = asyncio.create_task(collector.run())
+
+    async def gpu_series() -> dict[str, dict[str, float]]:
+        """device index -> {metric: value} of the GPU families, after two more scans."""
+        target = collector.scanner.stats.scans + 2
+        while collector.scanner.stats.scans < target:
+            await asyncio.sleep(0.05)
+        out: dict[str, dict[str, float]] = {}
+        for (name, labels), value in samples(await scrape(collector)).items():
+            if name.startswith(("hami_usage_gpu_", "hami_host_gpu_")):
+                out.setdefault(dict(labels)["device_index"], {})[name] = value
+        return out
+
+    try:
+        before = await gpu_series()
+        assert before["0"]["hami_usage_gpu_memory_used_bytes"] == 5 * GiB
+        assert before["1"]["hami_usage_gpu_memory_total_bytes"] == 80 * GiB
+        node.fake.fail["device 1"] = nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        node.fake.gpus[0].memory_used = GiB
+        lost = await gpu_series()
+        assert set(lost) == {"0"}
+        assert lost["0"]["hami_usage_gpu_memory_used_bytes"] == GiB
+        assert lost["0"]["hami_host_gpu_memory_used_bytes"] == GiB
+        del node.fake.fail["device 1"]
+        assert set(await gpu_series()) == {"0", "1"}
+        gate = node.fake.hang["device_count"] = threading.Event()
+        try:
+            assert await gpu_series() == {}  # NVML hangs: nothing read
+        finally:
+            gate.set()
+        del node.fake.hang["device_count"]
+        assert set(await gpu_series()) == {"0", "1"}
+    finally:
+        collector.stopping.set()
+        await task
+        node.close()
+
+
+async def test_two_pods_of_one_name_are_two_series_in_hamis_sets(serve: Serve) -> None:
+    """HAMi's label sets carry the pod's name, not its UID: a StatefulSet pod force-deleted
+    while its processes run on and its replacement (same namespace and name) on the same GPU
+    were one label set twice, which Prometheus keeps one of. Each is named by its UID then;
+    a name held by one pod stays the name."""
+    collector = await serve(metrics_hami=True, metrics_hami_legacy=True)
+    collector.pod_names = lambda uid: ("team-a", "db-0")  # both pods
+    body = await scrape(collector)
+    got = samples(body)
+    used = {dict(labels)["pod"] for name, labels in got if name == "hami_vgpu_memory_used_bytes"}
+    assert used == {POD, POD2}
+    legacy = {
+        dict(labels)["podname"]
+        for name, labels in got
+        if name == "vGPU_device_memory_usage_in_bytes"
+    }
+    assert legacy == {POD, POD2}
+    own = {dict(labels)["pod"] for name, labels in got if name == "hami_usage_container_processes"}
+    assert own == {"db-0"}  # its own set has pod_uid beside the name
+    collector.pod_names = lambda uid: ("team-a", "db-0") if uid == POD else ("team-a", "web-0")
+    got = samples(await scrape(collector))
+    used = {dict(labels)["pod"] for name, labels in got if name == "hami_vgpu_memory_used_bytes"}
+    assert used == {"db-0", "web-0"}
+
+
+async def test_a_burst_of_scrapes_formats_the_page_once_or_twice_and_scans_go_on(
+    serve: Serve,
+) -> None:
+    """Each scrape formatted the whole page in a worker thread of its own, so a burst took
+    the workers and the interpreter from the scans (64 scrapers of a large node: one scan in
+    10 s). Scrapes waiting for a formatting begun after they asked share it."""
+    collector = await serve()
+    assert collector.metrics is not None
+    formatted = 0
+    real = collector.metrics.registry.collect
+
+    def counted() -> Any:
+        nonlocal formatted
+        formatted += 1
+        time.sleep(0.2)  # a large node's page
+        return real()
+
+    collector.metrics.registry.collect = counted  # type: ignore[method-assign]
+    scans = collector.scanner.stats.scans
+    port = collector.metrics.port
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(32) as scrapers:  # not the loop's workers: the server's
+        bodies = await asyncio.gather(
+            *(loop.run_in_executor(scrapers, get, port, "/metrics") for _ in range(32))
+        )
+    assert {status for status, _, _ in bodies} == {200}
+    assert all("hami_usage_scans_total" in body for _, _, body in bodies)
+    assert formatted <= 3, formatted  # one in flight when the rest came, one for them
+    assert collector.scanner.stats.scans - scans >= 2

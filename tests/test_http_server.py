@@ -59,3 +59,66 @@ def test_a_name_that_does_not_resolve_is_said_in_the_resolvers_words() -> None:
         asyncio.run(start())
     assert str(raised.value) == f"0 on {host}: {why}"
     assert "Unknown error" not in why
+
+
+def _exchange(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_a_query_string_is_not_part_of_the_path() -> None:
+    """Prometheus sends a scrape config's `params` as a query string: it was a 404."""
+
+    async def fine(accept: str) -> tuple[str, str, bytes]:
+        return "200 OK", TEXT, b"ok\n"
+
+    async def run() -> list[bytes]:
+        server = HttpServer("127.0.0.1", 0, {"/metrics": fine})
+        port = await server.start()
+        try:
+            return [
+                await asyncio.to_thread(_exchange, port, f"GET {target} HTTP/1.1\r\n\r\n".encode())
+                for target in ("/metrics?format=prometheus", "http://x/metrics?a=1", "/nope?x")
+            ]
+        finally:
+            await server.stop()
+
+    answers = [a.split(b"\r\n", 1)[0] for a in asyncio.run(run())]
+    assert answers == [b"HTTP/1.0 200 OK", b"HTTP/1.0 200 OK", b"HTTP/1.0 404 Not Found"]
+
+
+def test_a_line_over_the_limit_is_a_400_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request or header line over asyncio's 64 KiB was a 500 and an ERROR with a
+    traceback in the log, for anyone who can reach the port to repeat."""
+
+    async def fine(accept: str) -> tuple[str, str, bytes]:
+        return "200 OK", TEXT, b"ok\n"
+
+    long_header = b"GET /metrics HTTP/1.1\r\nX-Long: " + b"a" * 70_000 + b"\r\n\r\n"
+    long_target = b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n"
+
+    async def run() -> list[bytes]:
+        server = HttpServer("127.0.0.1", 0, {"/metrics": fine})
+        port = await server.start()
+        try:
+            out = [await asyncio.to_thread(_exchange, port, r) for r in (long_header, long_target)]
+            out.append(await asyncio.to_thread(_exchange, port, b"GET /metrics HTTP/1.1\r\n\r\n"))
+            return out
+        finally:
+            await server.stop()
+
+    with caplog.at_level("DEBUG", logger="collector.transport.http"):
+        answers = asyncio.run(run())
+    assert [a.split(b"\r\n", 1)[0] for a in answers] == [
+        b"HTTP/1.0 400 Bad Request",
+        b"HTTP/1.0 400 Bad Request",
+        b"HTTP/1.0 200 OK",
+    ]
+    assert [r.levelname for r in caplog.records if r.levelname != "DEBUG"] == []

@@ -153,6 +153,7 @@ class CrossCheck:
         self.tolerance = tolerance or DriftTolerance()
         self.inventory_every_ms = inventory_every_ms  # restate it (e.g. with each heartbeat)
         self._devices: dict[int, NvmlDevice] = {}  # last good reading per GPU index
+        self._current: dict[int, NvmlDevice] = {}  # the GPUs this interval's reading read
         self._inventory: list[GpuInfo] | None = None
         self._inventory_ms = 0
         self._timeout_reported = False
@@ -166,12 +167,20 @@ class CrossCheck:
         """The last good reading of each GPU, by index (replaced whole, never mutated)."""
         return self._devices
 
+    @property
+    def current(self) -> dict[int, NvmlDevice]:
+        """The GPUs read in this interval, by index: what the `/metrics` gauges show. A GPU
+        whose query failed (lost, timed out) stays in the inventory as last seen, but its
+        last values are not served as if read now."""
+        return self._current
+
     def close(self) -> None:
         self.source.close()
 
     def check(self, now_ms: int, files: Iterable[FileState], stamp: Stamp) -> list[Event]:
         poll = self.source.poll()
         if poll.reading is None:
+            self._current = {}  # nothing was read this interval
             if self._timeout_reported:
                 return []
             self._timeout_reported = True
@@ -192,7 +201,9 @@ class CrossCheck:
         """Merge the reading into the known devices; return the leaf uuids whose state is
         unknown this interval (their GPU's own query failed: last known leaves)."""
         if reading.count is None:
+            self._current = {}
             return {u for d in self._devices.values() for u, _, _ in d.leaves()}
+        self._current = {i: d for i, d in reading.devices.items() if 0 <= i < reading.count}
         devices: dict[int, NvmlDevice] = {}
         unknown: set[str] = set()
         for i in range(reading.count):

@@ -199,7 +199,7 @@ class Collector:
         return Scrape(
             published=self.scanner.published,
             health=self.health(),
-            devices=crosscheck.devices if crosscheck is not None else {},
+            devices=crosscheck.current if crosscheck is not None else {},
             node=self.settings.node,
             now_s=time.time(),
             pod_names=self.pod_names,

@@ -1,7 +1,9 @@
 """A minimal HTTP/1.0 server on the event loop for GET endpoints (metrics, health probes).
 
 One request per connection; a route is an async function of the request's Accept header that
-answers (status, content type, body). Anything but GET is 405, an unknown path 404.
+answers (status, content type, body). Anything but GET is 405, an unknown path 404 (a query
+string is not part of the path: Prometheus sends a scrape config's `params` as one), a request
+line or header line longer than the stream's 64 KiB limit 400.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,8 @@ class HttpServer:
             await self._server.wait_closed()
 
     async def _request(self, reader: asyncio.StreamReader) -> tuple[str, str, str]:
-        """(method, path, Accept header) of one request."""
+        """(method, path, Accept header) of one request. Raises ValueError for a line longer
+        than the reader's limit (asyncio's readline does)."""
         parts = (await reader.readline()).decode("latin-1").split()
         accept = ""
         for _ in range(_MAX_HEADERS):
@@ -65,11 +69,20 @@ class HttpServer:
             name, _, value = line.partition(":")
             if name.strip().lower() == "accept":
                 accept = value.strip()
-        return (parts[0] if parts else ""), (parts[1] if len(parts) >= 2 else ""), accept
+        target = parts[1] if len(parts) >= 2 else ""
+        return (parts[0] if parts else ""), urllib.parse.urlsplit(target).path, accept
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            method, path, accept = await asyncio.wait_for(self._request(reader), timeout=5)
+            try:
+                method, path, accept = await asyncio.wait_for(self._request(reader), timeout=5)
+            except ValueError as exc:
+                # Anyone who reaches the port can send one: the client's fault, not a failure
+                # of ours worth a traceback in the log.
+                log.debug("HTTP request refused: %s", exc)
+                writer.write(b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                await writer.drain()
+                return
             route = self._routes.get(path)
             if method != "GET":
                 status, content_type, body = "405 Method Not Allowed", TEXT, b"GET only\n"

@@ -99,7 +99,7 @@ class ContainerDevice:
 class Scrape:
     published: Published
     health: Health
-    devices: Mapping[int, NvmlDevice]  # NVML's last good reading per GPU index
+    devices: Mapping[int, NvmlDevice]  # the GPUs NVML read this interval, by index
     node: str
     now_s: float
     pod_names: PodNames = _no_names
@@ -139,16 +139,26 @@ def _container_series(
     scrape: Scrape,
 ) -> Iterator[tuple[catalog.Scope, dict[str, str], ContainerDevice]]:
     migs = {m.uuid: (d, m) for d in scrape.devices.values() for m in d.mig_devices}
-    for state in _containers(scrape.published):
+    containers = list(_containers(scrape.published))
+    names = {c.pod_uid: scrape.pod_names(c.pod_uid) for c in containers}
+    # HAMi's label sets name a pod without its UID: two pods of one name on the node (a
+    # StatefulSet pod force-deleted while its processes run on, and its replacement) would
+    # be one label set twice, which a scraper keeps one of.
+    uids_of: dict[tuple[str, str], set[str]] = {}
+    for uid, name in names.items():
+        if name:
+            uids_of.setdefault(name, set()).add(uid)
+    for state in containers:
         last_kernel = state.last_kernel
-        names = scrape.pod_names(state.pod_uid)
-        namespace, pod = names if names else ("", "")
+        name = names[state.pod_uid]
+        namespace, pod = name if name else ("", "")
+        hami_pod = pod if name and len(uids_of[name]) == 1 else state.pod_uid
         for dev in state.devices.values():
             rows = [r for r in state.rows if r.device == dev.index]
             context = {
                 "namespace": namespace,
                 "pod": pod,
-                "pod_or_uid": pod or state.pod_uid,
+                "pod_or_uid": hami_pod,
                 "pod_uid": state.pod_uid,
                 "container": state.container,
                 "device_index": str(dev.index),
