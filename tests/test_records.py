@@ -84,6 +84,23 @@ def test_record_id_is_distinct_per_component() -> None:
     assert make_record_id(*base, kind="container") == make_record_id(*base)
 
 
+def test_record_id_names_a_window_size_other_than_the_default() -> None:
+    """[t, t+60 s) and [t, t+300 s) of one container are two records: a group started with a
+    new size on the same billing topic gave both one id (a consumer keeping the last per id
+    billed +70 %, compaction deleted 36 records). The default size keeps its ids."""
+    base = (T0, "n1", "uid-1", "main", "GPU-0", 0)
+    assert make_record_id(*base, window_ms=60_000) == make_record_id(*base)
+    sized = make_record_id(*base, window_ms=300_000)
+    text = f"{T0}|n1|uid-1|main|GPU-0|0|300000ms"
+    assert sized == hashlib.sha256(text.encode()).hexdigest()[:32]
+    ids = {
+        make_record_id(*base, kind=k, window_ms=w)
+        for k in ("container", "gpu", "idle")
+        for w in (60_000, 300_000, 3_600_000)
+    }
+    assert len(ids) == 9
+
+
 def test_iso_formatting() -> None:
     assert iso_utc(T0) == "2026-11-29T22:37:00Z"
     assert iso_utc(0) == "1970-01-01T00:00:00Z"

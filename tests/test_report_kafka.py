@@ -220,3 +220,32 @@ def test_report_security_settings_are_checked_before_anything_starts(tmp_path: P
     assert proc.stderr == (
         "hami-usage report: kafka_security_protocol SASL_SSL needs kafka_sasl_mechanism\n"
     )
+
+
+def test_collectors_ahead_of_the_aggregator_are_billed_from_the_topic(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Windows are in the collectors' time; their records were stamped with the aggregator's
+    publish time, so with collectors' clocks 13 minutes ahead every record of the range lay
+    before the offset of time `from`, and `report --kafka` billed nothing where the files
+    billed every GPU-hour. A record is stamped with its window's start."""
+    n = names(tmp_path)
+    proc = hami("topics", "--kafka", kafka_bootstrap, *topic_flags(n["usage"], n["billing"]),
+                "--apply")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    t0 = recent_t0(300) + 20 * 60_000  # (Kafka 4 refuses record times over an hour ahead)
+    asyncio.run(produce(kafka_bootstrap, n["usage"], build(tmp_path / "nodes", t0)))
+    proc = hami(
+        "aggregate", "--kafka", kafka_bootstrap, "--topic", n["usage"], "--billing-topic",
+        n["billing"], "--group", n["group"], *WINDOW_FLAGS, "--jsonl", tmp_path / "b.jsonl",
+        "--drain",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    published = asyncio.run(consume_plain(n["billing"], bootstrap_servers=kafka_bootstrap))
+    assert published
+    assert all(m.timestamp == json.loads(m.value)["window_start_ms"] for m in published)
+    (tmp_path / "prices.toml").write_text(PRICES)
+    rng = ["--from", iso_utc(t0), "--to", iso_utc(t0 + 3_600_000)]
+    from_kafka = bill(tmp_path, rng, "--kafka", kafka_bootstrap, "--billing-topic", n["billing"])
+    assert from_kafka == bill(tmp_path, rng, "--jsonl", tmp_path / "b.jsonl")
+    check_figures(from_kafka, tmp_path / "b.jsonl")

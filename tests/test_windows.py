@@ -766,6 +766,11 @@ def test_node_sample_constant_over_a_whole_window() -> None:
     assert r.samples == 2  # rows at 0 s and 30 s
     assert r.record_id == make_record_id(0, "n1", "", "", "GPU-0", 0)
     assert r.revision == 0
+    five, _ = run(events, WindowSettings(window_ms=300_000), kinds=("node", "gpu", "idle"))
+    assert {(x.kind, x.record_id) for x in five} == {
+        (k, make_record_id(0, "n1", "", "", "GPU-0", 0, k, window_ms=300_000))
+        for k in ("node", "gpu", "idle")
+    }
     assert agg.stats.unattributed_rows == 0
     assert agg.gauges() == []  # node rows have no gauges
 

@@ -80,7 +80,8 @@ def json_schema() -> dict[str, Any]:
     schema["title"] = SCHEMA_NAME
     schema["description"] = (
         "One billing record per Kafka message on the billing topic, keyed by record_id; "
-        "headers content-type: application/json and schema: hami.billing.v1. "
+        "headers content-type: application/json and schema: hami.billing.v1; "
+        "the message's timestamp is window_start_ms. "
         + " ".join((BillingRecord.__doc__ or "").split())
     )
     return schema

@@ -147,6 +147,11 @@ def record_order(r: BillingRecord) -> tuple[int, str, str, str, str, int]:
     )
 
 
+# The window size whose records' ids do not name it: the default keeps the ids it always had
+# (other sizes' ids name their size since 2026-12-04).
+UNSIZED_ID_WINDOW_MS: Final = 60_000
+
+
 def make_record_id(
     window_start_ms: int,
     node: str,
@@ -155,10 +160,16 @@ def make_record_id(
     device_uuid: str,
     revision: int = 0,
     kind: str = "container",
+    window_ms: int = UNSIZED_ID_WINDOW_MS,
 ) -> str:
     text = f"{window_start_ms}|{node}|{pod_uid}|{container}|{device_uuid}|{revision}"
     if kind in ("gpu", "idle"):  # container and node rows keep the ids they always had
         text += f"|{kind}"
+    if window_ms != UNSIZED_ID_WINDOW_MS:
+        # [t, t+60 s) and [t, t+300 s) are different records: a group started with a new size
+        # publishes to the same topic, where one id would make a consumer (and compaction)
+        # keep one of the two.
+        text += f"|{window_ms}ms"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -744,7 +744,19 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 try:
                     for r in records:
                         key, value, headers = billing_message(r, settings.billing_format)
-                        sent.append(await producer.send(topic, value, key=key, headers=headers))
+                        # Stamped with its window's start, not the publish time: a reader
+                        # seeks to a range by time (`report --kafka`), and a window is
+                        # published by the aggregator's clock, behind collectors' clocks that
+                        # run ahead of it.
+                        sent.append(
+                            await producer.send(
+                                topic,
+                                value,
+                                key=key,
+                                headers=headers,
+                                timestamp_ms=r.window_start_ms,
+                            )
+                        )
                 except UnknownTopicOrPartitionError:
                     # (after request_timeout_ms of metadata requests; aiokafka names no topic,
                     # and says the same when the broker did not answer them)

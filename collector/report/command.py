@@ -51,8 +51,8 @@ async def _from_kafka(source: ConsumerSettings, topic: str, from_ms: int, to_ms:
     # redeployment from `earliest`; compaction never touches the active segment): one per
     # record_id, the last one seen.
     records: dict[str, BillingRecord] = {}
-    # A window's record is published after the window closed: nothing of [from, to) was
-    # published before `from`.
+    # A record is stamped with its window's start: nothing of [from, to) lies before the
+    # offset of time `from`.
     async with read_range(source, topic, from_ms) as reading:
         async for batch in reading.batches():
             for m in batch:

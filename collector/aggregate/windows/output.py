@@ -215,7 +215,9 @@ class Output:
                     peak_memory_bytes=r.peak,
                     observed_seconds=seconds(r.obs),
                     samples=r.samples,
-                    record_id=make_record_id(ws, node, pod_uid, container, uuid, 0),
+                    record_id=make_record_id(
+                        ws, node, pod_uid, container, uuid, 0, window_ms=self._w
+                    ),
                     kind="container" if pod_uid else "node",
                     gpu_model=model,
                     gpu_memory_bytes=memory,
@@ -249,7 +251,7 @@ class Output:
                     peak_memory_bytes=0,
                     observed_seconds=seconds(obs),
                     samples=0,
-                    record_id=make_record_id(ws, node, "", "", uuid, 0, kind),
+                    record_id=make_record_id(ws, node, "", "", uuid, 0, kind, self._w),
                     kind=kind,
                     gpu_model=model,
                     gpu_memory_bytes=memory,
