@@ -19,6 +19,7 @@ from collector.events import (
     MAX_BYTES,
     ContainerAppeared,
     ContainerGone,
+    ContainerRun,
     ContainerState,
     DeviceInventory,
     DeviceLimit,
@@ -428,3 +429,86 @@ def test_of_two_inventories_in_one_millisecond_the_later_stated_is_used() -> Non
     (rec,) = [r for r in agg.flush() if r.kind == "container" and r.window_start_ms == 0]
     assert rec.gpu_memory_bytes == 80 * GiB
     assert rec.allocated_gpu_seconds == Decimal("30.000")  # 40 of 80 GiB for the minute
+
+
+def test_a_late_inventory_takes_effect_from_the_closed_end_however_the_input_is_batched() -> None:
+    """A statement made at 50 s that comes once [0, 60) may close is late: from the closed end
+    on, as a late sample. It reached [0, 60) when `advance` had not run since the window could
+    close (a replay advances every 256 records, the live service once a batch): 160 GiB and
+    15 s batched against 80 GiB and 30 s advanced after every event (a fuzz: 64 of 300 random
+    streams with late inventories differed)."""
+    limit = [DeviceLimit(0, "GPU-0", 40 * GiB, 100)]
+
+    def inventory(seq: int, ts: int, memory: int) -> DeviceInventory:
+        return DeviceInventory(1, 7, seq, ts, [GpuInfo(0, "GPU-0", "NVIDIA H100", memory, False)])
+
+    events: list[Event] = [
+        ContainerAppeared(1, 7, 0, 0, 1, "pod-a", "main", "/p", "v1.2", limit),
+        inventory(1, 0, 80 * GiB),
+    ]
+    for seq, t in enumerate(range(0, 80_001, 10_000), start=2):  # the watermark reaches 70 s
+        events.append(UsageSample(1, 7, seq, t, 1, [UsageRow(1, 1, 0, GiB, 0, 0, 0, 0, 10)]))
+    events.append(inventory(len(events), 50_000, 160 * GiB))
+
+    def windows(advance_every_event: bool) -> list[tuple[int, int, Decimal]]:
+        agg = Aggregator(WindowSettings(allocation_policy="memory"))
+        out: list[BillingRecord] = []
+        for i, e in enumerate(events):
+            agg.add("n1", e, offset=i)
+            if advance_every_event:
+                out += agg.advance()
+        out += agg.advance() + agg.flush()
+        assert agg.stats.late_events == 1
+        return [
+            (r.window_start_ms, r.gpu_memory_bytes, r.allocated_gpu_seconds)
+            for r in out
+            if r.kind == "container"
+        ]
+
+    live = windows(True)
+    assert live[:2] == [(0, 80 * GiB, Decimal("30.000")), (60_000, 160 * GiB, Decimal("15.000"))]
+    assert windows(False) == live
+
+
+def test_usage_policy_allocates_only_the_time_kubernetes_says_a_container_runs() -> None:
+    """README: a share "at each instant it is present", and with the pod watch present means
+    running. Under `usage` the allocation was the used time of the whole window: a finished
+    container still holding 40 GiB of an 80 GiB GPU was allocated 30 s and reserved-idle 30 s
+    with 0 s observed, and alone on its GPU it made the GPU-window `overcommitted`."""
+    limit = [DeviceLimit(0, "GPU-0", 40 * GiB, 50)]
+    seq = iter(range(1000))
+    events: list[Event] = [
+        DeviceInventory(1, 7, next(seq), 0, [GpuInfo(0, "GPU-0", "H100", 80 * GiB, False)]),
+        ContainerAppeared(1, 7, next(seq), 0, 1, "pod-a", "main", "/a", "v1.2", limit),
+        ContainerAppeared(1, 7, next(seq), 0, 2, "pod-b", "main", "/b", "v1.2", limit),
+        ContainerRun(1, 7, next(seq), 0, 2, False, 0, "finished"),
+    ]
+    for t in range(0, 60_000, 10_000):
+        events.append(UsageSample(1, 7, next(seq), t, 1, [UsageRow(1, 1, 0, 0, 0, 0, 0, 0, 10)]))
+        events.append(
+            UsageSample(1, 7, next(seq), t, 2, [UsageRow(2, 2, 0, 40 * GiB, 0, 0, 0, 0, 0)])
+        )
+    events += [ContainerGone(1, 7, next(seq), 60_000, 1), ContainerGone(1, 7, next(seq), 60_000, 2)]
+
+    def window_0(evs: list[Event]) -> tuple[dict[str, tuple[str, str, str]], int]:
+        records, agg = run(evs, "usage")
+        got = {
+            r.kind + r.pod_uid: (
+                str(r.observed_seconds),
+                str(r.allocated_gpu_seconds),
+                str(r.reserved_idle_gpu_seconds),
+            )
+            for r in records
+            if r.window_start_ms == 0
+        }
+        return got, agg.stats.overcommitted
+
+    got, overcommitted = window_0(events)
+    assert got["containerpod-b"] == ("0.000", "0.000", "0.000")
+    assert got["containerpod-a"] == ("60.000", "6.000", "0.000")  # 10 % SM for 60 s
+    assert got["idle"] == ("0.000", "54.000", "0.000")
+    assert overcommitted == 0
+    alone, overcommitted = window_0([e for e in events if getattr(e, "cid", 2) == 2])
+    assert alone["containerpod-b"] == ("0.000", "0.000", "0.000")
+    assert alone["gpu"] == ("0.000", "0.000", "0.000")
+    assert overcommitted == 0

@@ -159,7 +159,7 @@ class Aggregator:
         elif isinstance(event, PodIdentity):
             self._identities.learn(node, event.identity, ts, seq, source, offset, self._closable())
         elif isinstance(event, DeviceInventory):
-            stats.refused_values += self._inv.state(node, event, source, offset)
+            stats.refused_values += self._inv.state(node, event, source, offset, eff)
         elif isinstance(event, CollectorStarted):
             self._guard.announce(node, event)
         # LayoutAnomaly: counted above, nothing to integrate.

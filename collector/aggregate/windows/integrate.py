@@ -73,12 +73,16 @@ class Integrator:
                         d.ipres += pdt
                 if d.nkeys:
                     total = d.total
+                    sm = d.sm
                     d.mem += total * dt
                     d.nvml += d.monitor * dt
-                    d.smp += d.sm * dt
+                    d.smp += sm * dt
                     d.cov += dt
-                    if not d.sm:
-                        d.imem += total * dt
+                    if pdt:
+                        d.pmem += total * pdt
+                        d.psm += sm * pdt
+                        if not sm:
+                            d.imem += total * pdt
                     if total > d.peak:
                         d.peak = total
                     if node:

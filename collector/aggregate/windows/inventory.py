@@ -1,7 +1,9 @@
 """The GPUs' model names and memory, from the nodes' NVML inventories (`DeviceInventory`).
 
 An inventory is a statement at its ts, held like a sample: a window [ws, we) uses the latest
-statement of the GPU with `ws - max_gap_ms <= ts < we`. The collector restates its inventory
+statement of the GPU with `ws - max_gap_ms <= ts < we` and an effective time before `we` (a
+late statement takes effect from the end closed when it came, as a late sample does: a window
+closed before it or after it is billed the same). The collector restates its inventory
 with every heartbeat, so a replay that starts `max_gap_ms` before its first window sees the
 statements the live run used, and gives the same records. A GPU stated with a memory total
 outside [0, MAX_BYTES] is left out of that statement (counted in `refused_values` by the caller),
@@ -13,7 +15,7 @@ end (if it is not older than `max_gap_ms`), and every later one. A restart reads
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import insort
 
 from ...events import MAX_BYTES, DeviceInventory
 from .checkpoint import earliest
@@ -22,8 +24,8 @@ __all__ = ["GpuModel", "Inventory"]
 
 GpuModel = tuple[str, int]  # (model name, memory total in bytes)
 
-# (ts, model name, memory total, source, offset), in the order of `_stated`
-_Statement = tuple[int, str, int, int, int]
+# (ts, model name, memory total, source, offset, effective time), in the order of `_stated`
+_Statement = tuple[int, str, int, int, int, int]
 
 
 def _stated(s: _Statement) -> tuple[int, int, int]:
@@ -41,8 +43,9 @@ class Inventory:
         self._gap = max_gap_ms
         self._gpus: dict[tuple[str, str], list[_Statement]] = {}
 
-    def state(self, node: str, event: DeviceInventory, source: int, offset: int) -> int:
-        """Keep the event's statements; returns how many GPUs it stated with a memory total no
+    def state(self, node: str, event: DeviceInventory, source: int, offset: int, eff: int) -> int:
+        """Keep the event's statements, in effect from `eff` (its ts, or for a late event the
+        end closed when it came); returns how many GPUs it stated with a memory total no
         device has (outside [0, MAX_BYTES]): those are left out, as if not stated."""
         ts = event.ts
         refused = 0
@@ -52,29 +55,32 @@ class Inventory:
                 continue
             insort(
                 self._gpus.setdefault((node, g.uuid), []),
-                (ts, g.name, g.memory_total, source, offset),
+                (ts, g.name, g.memory_total, source, offset, eff),
                 key=_stated,
             )
         return refused
 
     def lookup(self, node: str, uuid: str, ws: int, we: int) -> GpuModel | None:
         best: GpuModel | None = None
-        for ts, name, memory, _, _ in self._gpus.get((node, uuid), ()):
+        for ts, name, memory, _, _, eff in self._gpus.get((node, uuid), ()):
             if ts >= we:
                 break
-            if ts >= ws - self._gap:
+            if ts >= ws - self._gap and eff < we:
                 best = (name, memory)
         return best
 
     def prune(self, closed: int) -> None:
         """Forget statements no window from `closed` on can use: those older than `max_gap_ms`
-        before it, and those a later statement before it replaces in every such window."""
+        before it, and those a later statement in effect before it replaces in every such
+        window (a late one made before it but in effect after it replaces nothing there)."""
         drop = []
         for key, lst in self._gpus.items():
             horizon = closed - self._gap
-            i = bisect_left(lst, closed, key=lambda s: s[0])
-            if i and lst[i - 1][0] > horizon:
-                horizon = lst[i - 1][0]  # the latest before `closed` (all of its ts) stays
+            for s in reversed(lst):
+                if s[5] < closed:
+                    if s[0] > horizon:
+                        horizon = s[0]  # the latest in effect before `closed` (all its ts) stays
+                    break
             keep = [s for s in lst if s[0] >= horizon]
             if keep:
                 self._gpus[key] = keep

@@ -58,6 +58,8 @@ class _Row:
         "nvml",
         "obs",
         "peak",
+        "pmem",
+        "psm",
         "samples",
         "shares",
         "sm",
@@ -66,7 +68,7 @@ class _Row:
 
     def __init__(self) -> None:
         self.mem = self.nvml = self.sm = self.lim = self.smlim = 0
-        self.peak = self.samples = self.obs = self.imem = 0
+        self.peak = self.samples = self.obs = self.imem = self.pmem = self.psm = 0
         self.shares: dict[tuple[int, int], int] = {}
         self.ishares: dict[tuple[int, int], int] = {}  # the SM-idle part of `shares`
 
@@ -142,6 +144,8 @@ class Output:
                 for lk, ms in d.ishares.items():
                     ishares[lk] = ishares.get(lk, 0) + ms
                 row.imem += d.imem
+                row.pmem += d.pmem
+                row.psm += d.psm
             d.reset_window()
 
     def records(self) -> list[BillingRecord]:
@@ -179,7 +183,9 @@ class Output:
         used_raw = [used_ms(out[k].sm, out[k].mem, memory) for k in ctrs]
         used, used_over = fit(used_raw, observed)
         if policy == "usage":
-            alloc, over, raw = list(used), used_over, used_raw
+            # the used time while present: not while Kubernetes says it does not run
+            raw = [used_ms(out[k].psm, out[k].pmem, memory) for k in ctrs]
+            alloc, over = fit(raw, observed)
             idle_raw = [used_ms(0, out[k].imem, memory) for k in ctrs]
         else:
             raw = [allocated_ms(policy, out[k].shares, memory) for k in ctrs]

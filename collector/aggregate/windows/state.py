@@ -100,7 +100,9 @@ class Device:
         "nkeys",
         "nvml",
         "peak",
+        "pmem",
         "pres",
+        "psm",
         "samples",
         "shares",
         "sm",
@@ -132,10 +134,15 @@ class Device:
         self.pres = 0
         self.shares: dict[tuple[int, int], int] = {}
         # reserved-but-idle: the same for the present time with no SM activity on the device
-        # (no live key, or every key at sm_util 0), and the memory integral of that time
+        # (no live key, or every key at sm_util 0), and the memory integral of that present
+        # time
         self.ipres = 0
         self.ishares: dict[tuple[int, int], int] = {}
         self.imem = 0
+        # the usage policy's share: the memory and SM integrals of the present time alone (a
+        # container Kubernetes says is not running holds memory without being allocated it)
+        self.pmem = 0
+        self.psm = 0
         self.ivs: list[list[int]] = []  # node rows only: the [a, b) intervals of `cov`
 
     def settle(self) -> None:
@@ -153,7 +160,7 @@ class Device:
 
     def reset_window(self) -> None:
         self.mem = self.nvml = self.smp = self.lim = self.smlim = self.peak = self.samples = 0
-        self.cov = self.pres = self.ipres = self.imem = 0
+        self.cov = self.pres = self.ipres = self.imem = self.pmem = self.psm = 0
         self.shares = {}
         self.ishares = {}
         self.ivs = []
