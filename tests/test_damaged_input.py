@@ -366,6 +366,23 @@ def checkpoint_file(log: Path) -> Path:
         (b"{not json", "unreadable"),
         (b'{"offset": -5}', "unreadable"),
         (b'{"offset": 10, "metadata": "garbage"}', "unreadable metadata"),
+        # the right shape, values no aggregator writes: each was a traceback, exit 1
+        (
+            b'{"offset": 10, "metadata": "{\\"csv_bytes\\": -7}"}',
+            "Expected `int` >= -1 - at `$.csv_bytes`",
+        ),
+        (
+            b'{"offset": 10, "metadata": "{\\"replicas\\": {\\"0\\": [-7, -1]}}"}',
+            "Expected `int` >= -1 - at `$.replicas[...][0]`",
+        ),
+        (
+            b'{"offset": 10, "metadata": "{\\"emitted_until_ms\\": 99999999999999999999}"}',
+            "unreadable metadata",
+        ),
+        (
+            b'{"offset": 10, "metadata": "{\\"emitted_until_ms\\": -99999999999999999}"}',
+            "Expected `int` >= 0 - at `$.emitted_until_ms`",
+        ),
         (b'{"offset": 99999999, "metadata": ""}', "beyond the end of the log"),
     ],
 )

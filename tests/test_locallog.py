@@ -1071,3 +1071,26 @@ def test_an_fsync_that_fails_with_an_io_error_blocks_the_log_as_a_failed_write_d
         fill(log, 3, 4)  # (an append after a flush that went through ends the episode)
         assert log.blocked is None
     assert list(LogReader(tmp_path).read(0, 10)) == [record(i) for i in range(4)]
+
+
+def test_a_consumer_committing_behind_what_it_read_does_not_wedge_a_small_bound(
+    tmp_path: Path,
+) -> None:
+    """An aggregator of the log commits the earliest event its open windows need, minutes
+    behind what it read, and closes them only with later events. Under a bound smaller than a
+    segment nothing fell below its commit, the active segment was never sealed (its commit
+    never reached the end), and no event got in again: the collector dropped everything from
+    then on. Segments are an eighth of the bound now, so whole ones fall below the commit."""
+    reader = LogReader(tmp_path)
+    lag = 40  # records the consumer commits behind the newest one
+    with LocalLog(tmp_path, max_bytes=20_000) as log:
+        stored = 0
+        for i in range(2000):
+            if log.append(KEY, value(i), 1000 + i) is not None:
+                stored += 1
+            log.flush()
+            reader.commit("agg", max(0, log.next_offset - lag))
+        assert stored == 2000, log.stats
+        assert log.stats.blocked_episodes == 0
+        assert sum(p.stat().st_size for p in tmp_path.glob("*.log")) <= 20_000
+    assert [r.offset for r in reader.read(2000 - lag, 100)] == list(range(2000 - lag, 2000))

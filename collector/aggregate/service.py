@@ -25,7 +25,7 @@ from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import msgspec
 from tenacity import (
@@ -42,7 +42,7 @@ from .billing import Format, billing_message
 from .damage import CheckpointError, DamageReport
 from .health import HealthServer, Liveness
 from .intake import InputStats, add_record
-from .records import BillingRecord, iso_utc, record_order
+from .records import LAST_MS, BillingRecord, iso_utc, record_order
 from .silence import Silence
 from .sinks import CsvSink, JsonlSink
 from .tally import Tally
@@ -61,6 +61,18 @@ COMMIT_INTERVAL_S = 5.0
 CHECKPOINT_WAIT_S = 120.0  # longest wait for a complete and stable checkpoint (committed_offsets)
 
 
+# In a replica's committed lengths: an output it has never written (not configured). An output
+# not configured in one run keeps what was committed for it before (a run without --csv
+# committed its length as 0, and the next run with it cut the file to nothing).
+NEVER_WRITTEN: Final = -1
+# What a checkpoint may hold: a time a record can name, a length or count of a file (or
+# NEVER_WRITTEN). A value past them is not this aggregator's (a hand-edited or damaged file): it
+# is refused as unreadable, not carried into a traceback when the files are cut or the time
+# is said.
+_Time = Annotated[int, msgspec.Meta(ge=0, le=LAST_MS)]
+_Length = Annotated[int, msgspec.Meta(ge=NEVER_WRITTEN, le=2**62)]
+
+
 class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
     """Commit metadata: end of the last emitted window and file-output lengths at that point:
     the committing replica's in `csv_bytes`/`jsonl_bytes`, every replica's (by `instance`) in
@@ -68,11 +80,11 @@ class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
     parquet_parts] (see `replicas`). A checkpoint without `replicas`
     was written before there were per-replica lengths: its lengths are the one replica's."""
 
-    emitted_until_ms: int = 0
-    csv_bytes: int = 0
-    jsonl_bytes: int = 0
-    replicas: dict[str, list[int]] = {}
-    window_ms: int = 0  # the window size of the records emitted (0: not recorded)
+    emitted_until_ms: _Time = 0
+    csv_bytes: _Length = 0
+    jsonl_bytes: _Length = 0
+    replicas: dict[str, list[_Length]] = {}
+    window_ms: _Time = 0  # the window size of the records emitted (0: not recorded)
 
     def lengths_of(self, instance: str) -> tuple[int | None, int | None] | None:
         """The committed file lengths of replica `instance` (None for a file it never wrote);
@@ -101,12 +113,6 @@ class Checkpoint(msgspec.Struct, frozen=True, omit_defaults=True):
         return _written(mine[2]) if mine is not None and len(mine) >= 3 else None
 
 
-# In a replica's committed lengths: an output it has never written (not configured). An output
-# not configured in one run keeps what was committed for it before (a run without --csv
-# committed its length as 0, and the next run with it cut the file to nothing).
-NEVER_WRITTEN: Final = -1
-
-
 def _written(length: int) -> int | None:
     return None if length == NEVER_WRITTEN else length
 
@@ -118,6 +124,8 @@ def parse_checkpoint(text: str | None, where: str = "checkpoint") -> Checkpoint:
         return Checkpoint()
     try:
         return msgspec.json.decode(text, type=Checkpoint)
+    except msgspec.ValidationError as exc:
+        raise CheckpointError(f"{where}: unreadable metadata {text[:80]!r}: {exc}") from None
     except msgspec.DecodeError:
         raise CheckpointError(f"{where}: unreadable metadata {text[:80]!r}") from None
 

@@ -22,6 +22,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Final
 
 from .checkpoint import (
     CHECKPOINT_SUFFIX,
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 _FSYNC_REFUSED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
 
 _MIB = 1024 * 1024
+MAX_SEGMENT_BYTES: Final = 8 * _MIB
+MIN_SEGMENT_BYTES: Final = 4096
 _MAX_KEY = 0xFFFF
 _I64_MIN = -(2**63)
 _I64_MAX = 2**63 - 1
@@ -93,16 +96,24 @@ class LocalLog:
     exceed it when a single record does. When the segments would exceed max_bytes, segments
     that every consumer group has committed past are deleted first; if that is not enough the
     record is rejected and counted.
+
+    segment_bytes defaults to an eighth of max_bytes, at most 8 MiB (at least 4 KiB): whole
+    segments must fall below a consumer that commits behind what it read. An aggregator of the
+    log commits the earliest event its open windows need (minutes behind), and its windows
+    close only with later events: with one 8 MiB segment under a 20 000-byte bound, nothing
+    fell below its commit and no event got in again (1238 dropped in 9 minutes).
     """
 
     def __init__(
         self,
         directory: Path,
         *,
-        segment_bytes: int = 8 * _MIB,
+        segment_bytes: int | None = None,
         max_bytes: int = 256 * _MIB,
         fsync: bool = False,
     ) -> None:
+        if segment_bytes is None:
+            segment_bytes = min(MAX_SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, max_bytes // 8))
         if segment_bytes < 1 or max_bytes < 1:
             raise ValueError("segment_bytes and max_bytes must be positive")
         self._dir = directory
