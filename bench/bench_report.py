@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from collector.aggregate.columns import arrow_schema
@@ -61,7 +62,6 @@ def day_table(day: int, nodes: int, gpus: int, ctrs: int, window_ms: int) -> pa.
     pod_v = [f"{i:08d}-1111-4000-8000-000000000000" for i in range(n_gpu * ctrs)]
     ns_v = [f"team-{i}" for i in range(7)] + [""]
     ns_idx = np.where(is_ctr, team_idx, 7)
-    empty = np.full(rows, "", dtype=object)
     cols = {
         "window_start_ms": start,
         "window_end_ms": start + window_ms,
@@ -77,7 +77,10 @@ def day_table(day: int, nodes: int, gpus: int, ctrs: int, window_ms: int) -> pa.
         "peak_memory_bytes": np.zeros(rows, dtype=np.int64),
         "observed_seconds": np.where(kind_idx == 2, 0.0, window_s),
         "samples": np.zeros(rows, dtype=np.int64),
-        "record_id": pa.array(empty, pa.string()),
+        # unique, 32 hex digits long like the aggregator's (`report` keeps one per id)
+        "record_id": pc.utf8_lpad(
+            pc.cast(pa.array(np.arange(rows, dtype=np.int64) + day * rows), pa.string()), 32, "0"
+        ),
         "namespace": dict_col(ns_idx, ns_v),
         "pod": dict_col(np.where(is_ctr, ctr_id, 0), [f"p-{i}" for i in range(n_gpu * ctrs)]),
         "workload_kind": dict_col(np.where(is_ctr, 0, 1), ["Deployment", ""]),
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = ctr_rows = 0
     for d in range(args.days):
         day = dt.datetime.fromtimestamp((T0 + d * DAY) / 1000, tz=dt.UTC).strftime("%Y-%m-%d")
-        folder = root / f"day={day}"
+        folder = root / "pq" / f"day={day}"
         folder.mkdir(parents=True, exist_ok=True)
         t = day_table(d, args.nodes, args.gpus, args.containers, window_ms)
         step = -(-t.num_rows // args.parts_per_day)
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     to = dt.datetime.fromtimestamp((T0 + args.days * DAY) / 1000, tz=dt.UTC).isoformat()
     cmd = [
         "taskset", "-c", "0", str(Path(sys.executable).parent / "hami-usage"), "report",
-        "--from", frm, "--to", to, "--parquet", str(root), "--by", "namespace",
+        "--from", frm, "--to", to, "--parquet", str(root / "pq"), "--by", "namespace",
         "--by", "label:team", "--prices", str(prices),
         "--out-csv", str(root / "bill.csv"), "--html", str(root / "r.html"),
     ]  # fmt: skip

@@ -417,7 +417,7 @@ def test_an_output_that_cannot_be_written_whole_is_one_line_and_no_cut_off_file(
         capture_output=True, text=True, timeout=120, env=env(), preexec_fn=small_files,
     )  # fmt: skip
     assert (proc.returncode, proc.stderr) == (1, f"hami-usage report: {page}: File too large\n")
-    assert not page.exists() and not Path(f"{page}.part").exists()
+    assert not page.exists() and not list(pipeline.glob("cut.html*"))
 
 
 def test_a_range_without_records_is_a_quiet_empty_report(pipeline: Path) -> None:
@@ -549,10 +549,14 @@ def test_cost_total_is_observed_hours_times_price_to_the_cent(
     [
         (["--from", "x", "--to", "2026-01-02"], "--from 'x': not an ISO-8601 time"),
         # beyond the UTC years a chart's axis and a day folder name: a traceback after the read
-        (["--from", "0001-01-01T00:00:00+14:00", "--to", "2026-01-02", "--parquet", "."],
-         "--from '0001-01-01T00:00:00+14:00': before 0001-01-01T00:00:00Z"),
-        (["--from", "2026-01-01", "--to", "9999-12-31T23:59:59-14:00", "--jsonl", "a"],
-         "--to '9999-12-31T23:59:59-14:00': after 9999-12-31T23:59:59.999Z"),
+        (
+            ["--from", "0001-01-01T00:00:00+14:00", "--to", "2026-01-02", "--parquet", "."],
+            "--from '0001-01-01T00:00:00+14:00': before 0001-01-01T00:00:00Z",
+        ),
+        (
+            ["--from", "2026-01-01", "--to", "9999-12-31T23:59:59-14:00", "--jsonl", "a"],
+            "--to '9999-12-31T23:59:59-14:00': after 9999-12-31T23:59:59.999Z",
+        ),
         (["--from", "2026-01-02", "--to", "2026-01-01", "--csv", "a"], "--to must be after"),
         (["--from", "2026-01-01", "--to", "2026-01-02"], "give --csv, --jsonl"),
         (
@@ -1408,3 +1412,101 @@ def test_a_zero_price_or_adjustment_at_any_exponent_is_zero() -> None:
     assert (str(p.default), str(p.price("A")), str(p.namespaces["x"])) == ("0", "0", "0")
     assert str(p.labels["team"]["v"]) == "0"
     assert p.factor("x", {"team": "v"}) == 1
+
+
+def test_a_range_from_before_the_year_1000_reads_the_parquet_day_folders(tmp_path: Path) -> None:
+    """A day folder's name is chosen by text comparison: `--from 0300-01-01` was "300-01-01",
+    after every "2026-…" folder, and the Parquet bill was empty (exit 0) where the CSV's was
+    not."""
+    sink = ParquetSink(tmp_path / "pq")
+    sink.write(_window("GPU-1"))
+    sink.close()
+    (tmp_path / "in.csv").write_text(_csv_text(_window("GPU-1")))
+    span = ["--from", "0300-01-01", "--to", "2026-01-02"]
+    bills = [
+        hami("report", *span, "--parquet", tmp_path / "pq"),
+        hami("report", *span, "--csv", tmp_path / "in.csv"),
+    ]
+    assert [p.returncode for p in bills] == [0, 0], [p.stderr for p in bills]
+    tables = [p.stdout.split("\nreserved idle:")[0] for p in bills]
+    assert tables[0] == tables[1]
+    assert "ns" in tables[0] and "0.016667" in tables[0]  # the container's minute
+
+
+def test_a_record_nested_a_thousand_levels_deep_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """msgspec raises RecursionError for such a value: a traceback of 34 lines, exit 1."""
+    deep = "[" * 2000 + "]" * 2000
+    line = msgspec.json.decode(jsonl_line(_window("GPU-1")[0]))
+    jsonl = tmp_path / "deep.jsonl"
+    jsonl.write_bytes(msgspec.json.encode(line)[:-1] + b',"x":' + deep.encode() + b"}\n")
+    rows = _csv_text(_window("GPU-1")).splitlines()
+    header = next(csv.reader([rows[0]]))
+    cells = next(csv.reader([rows[1]]))
+    cells[header.index("labels")] = deep
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows([header, cells])
+    (tmp_path / "deep.csv").write_text(buf.getvalue())
+    for flag, path, where in (("--jsonl", jsonl, 1), ("--csv", tmp_path / "deep.csv", 2)):
+        proc = hami("report", *SPAN, flag, path)
+        expected = f"hami-usage report: {path}:{where}: not a billing record: nested too deeply\n"
+        assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
+
+
+def test_a_price_of_too_many_digits_or_an_overlong_integer_is_refused_naming_the_file() -> None:
+    """A million digits made the exact arithmetic take 52 s where 15 took 0.46 s; an integer
+    over Python's 4300 digits was a ValueError whose line did not name the prices file."""
+    with pytest.raises(PriceError) as caught:
+        Prices.parse("default = 2." + "7" * 60, "prices p.toml")
+    assert str(caught.value) == "prices p.toml: default: more than 60 significant digits"
+    assert Prices.parse("default = 2." + "7" * 59).default == Decimal("2." + "7" * 59)
+    with pytest.raises(PriceError) as caught:
+        Prices.parse("default = " + "1" * 4301, "prices p.toml")
+    assert str(caught.value).startswith("prices p.toml: Exceeds the limit (4300 digits)")
+
+
+def test_an_input_named_as_an_outputs_temporary_file_is_left_alone(tmp_path: Path) -> None:
+    """Each output was written to `<output>.part` and renamed over the output: with `--csv
+    usage.csv.part --out-csv usage.csv` the records were overwritten with the bill and renamed
+    away, exit 0."""
+    records = tmp_path / "usage.csv.part"
+    records.write_text(_csv_text(_window("GPU-1")))
+    before = records.read_bytes()
+    out = tmp_path / "usage.csv"
+    proc = hami("report", *SPAN, "--csv", records, "--out-csv", out)
+    assert proc.returncode == 0, proc.stderr
+    assert records.read_bytes() == before
+    assert out.read_text().startswith("kind,")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["usage.csv", "usage.csv.part"]
+
+
+def test_a_record_read_more_than_once_is_billed_once_the_last_one_read(tmp_path: Path) -> None:
+    """A second aggregator group writing to the same outputs writes every window again (same
+    record_id): the CSV, JSON Lines and Parquet inputs each doubled the bill (12.00 for 6.00
+    in a review's run); only `--kafka` kept one per record_id. Every input keeps the last one
+    read now, across inputs too."""
+    once, twice = _window("GPU-1"), _window("GPU-1", alloc_ms=30_000)  # same ids, less later
+    assert [r.record_id for r in once] == [r.record_id for r in twice]
+    (tmp_path / "once.csv").write_text(_csv_text(once))
+    (tmp_path / "twice.csv").write_text(_csv_text(once + twice))
+    (tmp_path / "twice.jsonl").write_bytes(b"".join(jsonl_line(r) for r in once + twice))
+    for name, parts in (("pq-once", [twice]), ("pq-twice", [once, twice])):
+        for i, part in enumerate(parts):  # two groups' replicas, parts of their own
+            sink = ParquetSink(tmp_path / name, instance=str(i))
+            sink.write(part)
+            sink.close()
+
+    def allocated(*source: object) -> str:
+        out = tmp_path / "bill.csv"
+        proc = hami("report", *SPAN, *map(str, source), "--out-csv", out)
+        assert proc.returncode == 0, proc.stderr
+        (row,) = [r for r in csv.DictReader(out.open()) if r["kind"] == "group"]
+        return str(row["gpu_hours_allocated"])
+
+    half, whole = "0.008333", "0.016667"  # the later copy's 30 s, the earlier's 60 s
+    assert allocated("--csv", tmp_path / "once.csv") == whole
+    assert allocated("--csv", tmp_path / "twice.csv") == half
+    assert allocated("--jsonl", tmp_path / "twice.jsonl") == half
+    assert allocated("--parquet", tmp_path / "pq-twice") == half
+    assert allocated("--csv", tmp_path / "once.csv", "--jsonl", tmp_path / "twice.jsonl") == half
+    # a record in a Parquet folder and in a file: the file's (read after it)
+    assert allocated("--parquet", tmp_path / "pq-once", "--csv", tmp_path / "once.csv") == whole

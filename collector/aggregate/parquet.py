@@ -30,7 +30,10 @@ DAY_MS = 86_400_000
 
 
 def day_of(ms: int) -> str:
-    return dt.datetime.fromtimestamp(ms // 1000, tz=dt.UTC).strftime("%Y-%m-%d")
+    # (strftime's %Y does not pad a year below 1000: "300-01-01" sorted after "2026-…", and
+    # `report --from 0300-01-01 --parquet` read no folder)
+    d = dt.datetime.fromtimestamp(ms // 1000, tz=dt.UTC)
+    return f"{d.year:04d}-{d.month:02d}-{d.day:02d}"
 
 
 class ParquetSink:

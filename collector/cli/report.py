@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -123,9 +124,18 @@ def _write(path: str, text: str) -> bool:
     one line, and no cut-off file)."""
     # The file a symlink names is written, not the link replaced by a file of its own.
     real = os.path.realpath(path)
-    part = f"{real}.part"
+    # A name of its own, created exclusively: `<output>.part` could be an input (`--csv
+    # usage.csv.part --out-csv usage.csv` overwrote the records with the bill, then renamed
+    # them away).
+    part = f"{real}.{secrets.token_hex(6)}.part"
     try:
-        Path(part).write_text(text)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as exc:
+        say(f"hami-usage report: {path}: {exc.strerror}")
+        return False
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(part, real)
     except OSError as exc:
         with contextlib.suppress(OSError):

@@ -4,6 +4,7 @@ print the bill."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,13 +15,18 @@ from ..aggregate.billing import decode_billing
 from ..aggregate.records import BillingRecord
 from ..settings_check import one_line
 from .bill import Bill, hours, make_bill, money
-from .load import LoadError, checked, from_csv, from_jsonl, from_parquet, from_records
+from .load import (
+    LoadError,
+    checked,
+    csv_records,
+    from_parquet,
+    from_records,
+    jsonl_records,
+)
 from .prices import Prices
 from .summary import Summary, columns_for
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from ..transport.consumer import ConsumerSettings
 
 __all__ = ["ReportArgs", "bucket_for", "make_report", "table_text", "unmeasured_note"]
@@ -44,13 +50,11 @@ def bucket_for(from_ms: int, to_ms: int) -> int:
     return 3_600_000 if to_ms - from_ms <= 3 * 86_400_000 else 86_400_000
 
 
-async def _from_kafka(source: ConsumerSettings, topic: str, from_ms: int, to_ms: int) -> pa.Table:
+async def _from_kafka(
+    source: ConsumerSettings, topic: str, from_ms: int, keep: Callable[[BillingRecord], None]
+) -> None:
     from ..transport.consumer import read_range
 
-    # A record can be on the topic more than once (published again by a second group or a
-    # redeployment from `earliest`; compaction never touches the active segment): one per
-    # record_id, the last one seen.
-    records: dict[str, BillingRecord] = {}
     # A record is stamped with its window's start: nothing of [from, to) lies before the
     # offset of time `from`.
     async with read_range(source, topic, from_ms) as reading:
@@ -63,26 +67,33 @@ async def _from_kafka(source: ConsumerSettings, topic: str, from_ms: int, to_ms:
                 except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
                     where = f"{topic} partition {m.partition} offset {m.offset}"
                     raise LoadError(f"{where}: not a billing record: {e}") from None
-                records[record.record_id] = record
-    return from_records(records.values(), from_ms, to_ms)
+                keep(record)
 
 
 def make_report(args: ReportArgs) -> tuple[Bill, Summary]:
     label_keys = sorted(args.prices.labels)
     summary = Summary(args.by, bucket_for(args.from_ms, args.to_ms), label_keys)
-    tables: list[pa.Table] = []
-    if args.csv:
-        tables.append(from_csv(args.csv, args.from_ms, args.to_ms))
-    if args.jsonl:
-        tables.append(from_jsonl(args.jsonl, args.from_ms, args.to_ms))
+    # One record per record_id, the last one read: a record can be in the inputs more than
+    # once (published again by a second group or a redeployment from `earliest`, where
+    # compaction has not run; written again by a second group into the same files, which
+    # doubled the bill), and every consumer keeps one (see Consuming the billing topic).
+    records: dict[str, BillingRecord] = {}
+
+    def keep(record: BillingRecord) -> None:
+        if args.from_ms <= record.window_start_ms < args.to_ms:
+            records[record.record_id] = record
+
+    for record in csv_records(args.csv):
+        keep(record)
+    for record in jsonl_records(args.jsonl):
+        keep(record)
     if args.kafka:
-        tables.append(
-            asyncio.run(_from_kafka(args.kafka, args.billing_topic, args.from_ms, args.to_ms))
-        )
-    for t in tables:
-        summary.add(t)
+        asyncio.run(_from_kafka(args.kafka, args.billing_topic, args.from_ms, keep))
+    if args.csv or args.jsonl or args.kafka:
+        summary.add(from_records(records.values(), args.from_ms, args.to_ms))
     if args.parquet is not None:
-        for table in from_parquet(args.parquet, args.from_ms, args.to_ms, columns_for(args.by)):
+        for table in from_parquet(args.parquet, args.from_ms, args.to_ms, columns_for(args.by),
+                                  read_elsewhere=records):  # fmt: skip
             summary.add(table)
     return make_bill(summary, args.prices), summary
 

@@ -32,13 +32,21 @@ from ..aggregate.records import (
     iso_ms,
     seconds,
 )
+from ..events import too_deep
 from .summary import TIMES
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-__all__ = ["LoadError", "checked", "from_csv", "from_jsonl", "from_parquet", "from_records"]
+__all__ = [
+    "LoadError",
+    "checked",
+    "csv_records",
+    "from_parquet",
+    "from_records",
+    "jsonl_records",
+]
 
 
 class LoadError(Exception):
@@ -113,6 +121,10 @@ def _read_csv(path: Path) -> Iterator[BillingRecord]:
                     yield _csv_record(row)
                 except (ValueError, TypeError, msgspec.ValidationError, msgspec.DecodeError) as e:
                     raise LoadError(f"{path}:{rows.line_num}: not a billing record: {e}") from None
+                except RecursionError:  # (a labels cell nested a thousand levels deep)
+                    raise LoadError(
+                        f"{path}:{rows.line_num}: not a billing record: {too_deep()}"
+                    ) from None
             # Every row is written with its line end: a last row without one was cut inside
             # its last field ("12.345" read as 12.3), which no other check can see.
             if rows.line_num > 1 and not _ends_a_line(f):
@@ -161,6 +173,8 @@ def _read_jsonl(path: Path) -> Iterator[BillingRecord]:
                         record = checked(from_json(line))
                     except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
                         raise LoadError(f"{path}:{i}: not a billing record: {e}") from None
+                    except RecursionError:
+                        raise LoadError(f"{path}:{i}: not a billing record: {too_deep()}") from None
                     yield record
     except OSError as e:
         raise LoadError(f"{path}: {e.strerror}") from None
@@ -188,12 +202,12 @@ def _open(path: Path) -> Path:
     return path
 
 
-def from_csv(paths: Iterable[Path], from_ms: int, to_ms: int) -> pa.Table:
-    return from_records((r for p in paths for r in _read_csv(_open(p))), from_ms, to_ms)
+def csv_records(paths: Iterable[Path]) -> Iterator[BillingRecord]:
+    return (r for p in paths for r in _read_csv(_open(p)))
 
 
-def from_jsonl(paths: Iterable[Path], from_ms: int, to_ms: int) -> pa.Table:
-    return from_records((r for p in paths for r in _read_jsonl(_open(p))), from_ms, to_ms)
+def jsonl_records(paths: Iterable[Path]) -> Iterator[BillingRecord]:
+    return (r for p in paths for r in _read_jsonl(_open(p)))
 
 
 def _parquet_type_ok(actual: pa.DataType, expected: pa.DataType) -> bool:
@@ -284,10 +298,20 @@ _DAY = re.compile(r"day=\d{4}-\d{2}-\d{2}")
 
 
 def from_parquet(
-    root: Path, from_ms: int, to_ms: int, columns: list[str], batch_rows: int = 1 << 20
+    root: Path,
+    from_ms: int,
+    to_ms: int,
+    columns: list[str],
+    batch_rows: int = 1 << 20,
+    read_elsewhere: Iterable[str] = (),
 ) -> Iterator[pa.Table]:
     """The day partitions that can hold [from, to), then a row filter on the window start;
-    in tables of about `batch_rows` rows, so memory stays bounded whatever the range.
+    a table per day, so memory stays bounded by a day whatever the range.
+
+    One record per `record_id`, the last one read (a second aggregator group writing to the
+    same folder writes every window again: its parts doubled the bill); a record's copies are
+    in one day's folder, its window start's. `read_elsewhere`: the ids of records the report
+    has from other inputs, which win.
 
     Read part by part (`ParquetFile`, no dataset scanner: an aggregator writes about a part per
     window it closes, and the scanner's set-up per part cost twice the read of a small one), so
@@ -319,12 +343,16 @@ def from_parquet(
     except OSError as e:
         raise LoadError(f"{root}: {e.strerror}") from None
     # (a FIFO of that name blocked the read for good: each is a regular file, or one line)
-    files = [str(_open(f)) for d in days for f in sorted((root / d).glob("part-*.parquet"))]
+    files = [[str(_open(f)) for f in sorted((root / d).glob("part-*.parquet"))] for d in days]
     expected = arrow_schema()
+    wanted = columns
+    columns = [*columns, "record_id"] if "record_id" not in columns else columns
     # Strings stay dictionary-encoded as Parquet stores them: filters and group-bys then move
-    # small integers, not the strings of every row.
-    strings = [n for n in columns if pa.types.is_string(expected.field(n).type)]
-    target = pa.schema(
+    # small integers, not the strings of every row (not a record's id: one a row).
+    strings = [
+        n for n in columns if pa.types.is_string(expected.field(n).type) and n != "record_id"
+    ]
+    with_ids = pa.schema(
         [
             pa.field(n, pa.dictionary(pa.int32(), pa.string()))
             if n in strings
@@ -332,8 +360,21 @@ def from_parquet(
             for n in columns
         ]
     )
+    without_ids = pa.schema([f for f in with_ids if f.name in wanted])
+    target = with_ids
     pending: list[tuple[str, pa.RecordBatch]] = []
-    rows = 0
+    elsewhere = pa.array(sorted(set(read_elsewhere)), pa.string())
+
+    def unique(table: pa.Table) -> pa.Table:
+        ids = table["record_id"]
+        if len(elsewhere):
+            table = table.filter(pc.invert(pc.is_in(ids, value_set=elsewhere)))
+            ids = table["record_id"]
+        if pc.count_distinct(ids, mode="all").as_py() < table.num_rows:
+            at = pa.table({"id": ids, "at": pa.array(range(table.num_rows), pa.int64())})
+            last = at.group_by("id", use_threads=False).aggregate([("at", "max")])["at_max"]
+            table = table.take(pc.take(last, pc.sort_indices(last)))  # (in the order read)
+        return table.select(wanted)
 
     def checked_table() -> pa.Table:
         table = pa.Table.from_batches([b for _, b in pending], schema=target)
@@ -345,41 +386,87 @@ def from_parquet(
         # Each part has dictionaries of its own; the report's group-by takes one per column.
         return _milliseconds(table.unify_dictionaries())
 
-    for path in files:
-        try:
-            part = pq.ParquetFile(path, read_dictionary=strings)
-            physical = part.schema_arrow
-            for name in columns:
-                i = physical.get_field_index(name)
-                want = expected.field(name).type
-                if i >= 0 and not _parquet_type_ok(physical.field(i).type, want):
-                    got = physical.field(i).type
-                    raise LoadError(
-                        f"{path}: not a billing record Parquet file: {name} is {got}, not {want}"
-                    )
-            if physical.get_field_index("window_start_ms") < 0:
-                raise LoadError(f"{path}: not a billing record Parquet file: no window_start_ms")
-            present = [n for n in columns if physical.get_field_index(n) >= 0]
-            inside = _starts_within(part, from_ms, to_ms)
-            for batch in part.iter_batches(batch_size=batch_rows, columns=present):
-                if not inside:
-                    start = batch.column("window_start_ms")
-                    batch = batch.filter(
-                        pc.and_(pc.greater_equal(start, from_ms), pc.less(start, to_ms))
-                    )
-                if not batch.num_rows:
-                    continue
-                pending.append((path, _conform(batch, target)))
-                rows += batch.num_rows
-                if rows >= batch_rows:
-                    yield checked_table()
-                    pending, rows = [], 0
-        except (pa.ArrowException, OSError, LoadError) as e:
-            if pending:
-                checked_table()  # an earlier part's number first, as read in order
-            raise e if isinstance(e, LoadError) else _arrow_error(path, e) from None
-    if pending:
-        yield checked_table()
+    def opened(path: str) -> pq.ParquetFile:
+        part = pq.ParquetFile(path, read_dictionary=strings)
+        physical = part.schema_arrow
+        for name in columns:
+            i = physical.get_field_index(name)
+            want = expected.field(name).type
+            if i >= 0 and not _parquet_type_ok(physical.field(i).type, want):
+                got = physical.field(i).type
+                raise LoadError(
+                    f"{path}: not a billing record Parquet file: {name} is {got}, not {want}"
+                )
+        if physical.get_field_index("window_start_ms") < 0:
+            raise LoadError(f"{path}: not a billing record Parquet file: no window_start_ms")
+        return part
+
+    def failed(path: str, e: Exception) -> LoadError:
+        if pending:
+            checked_table()  # an earlier part's number first, as read in order
+        return e if isinstance(e, LoadError) else _arrow_error(path, e)
+
+    for paths in files:
+        # A day's parts are opened first: their window starts say whether two of them can
+        # hold one record (only parts whose ranges overlap can: a second group's, or the
+        # replicas of one, each with its own nodes), and only then are the ids read.
+        parts: list[tuple[str, pq.ParquetFile]] = []
+        fault: tuple[str, Exception] | None = None
+        for path in paths:
+            try:
+                parts.append((path, opened(path)))
+            except (pa.ArrowException, OSError, LoadError) as e:
+                fault = (path, e)  # (raised once the parts before it are read)
+                break
+        ids = bool(len(elsewhere)) or _overlapping([part for _, part in parts])
+        target = with_ids if ids else without_ids
+        for path, part in parts:
+            try:
+                physical = part.schema_arrow
+                present = [n for n in target.names if physical.get_field_index(n) >= 0]
+                inside = _starts_within(part, from_ms, to_ms)
+                for batch in part.iter_batches(batch_size=batch_rows, columns=present):
+                    if not inside:
+                        start = batch.column("window_start_ms")
+                        batch = batch.filter(
+                            pc.and_(pc.greater_equal(start, from_ms), pc.less(start, to_ms))
+                        )
+                    if not batch.num_rows:
+                        continue
+                    pending.append((path, _conform(batch, target)))
+            except (pa.ArrowException, OSError, LoadError) as e:
+                raise failed(path, e) from None
+        if fault is not None:
+            raise failed(*fault) from None
+        if pending:
+            table = checked_table()
+            yield unique(table) if ids else table
+            pending = []
+
+
+def _window_starts(part: pq.ParquetFile) -> tuple[int, int] | None:
+    """The least and greatest window start of the part, by its statistics (None: unknown)."""
+    meta = part.metadata
+    leaves = [meta.schema.column(j).path for j in range(meta.num_columns)]
+    i = leaves.index("window_start_ms")
+    least = most = None
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(i).statistics
+        if stats is None or not stats.has_min_max or stats.null_count:
+            return None
+        least = stats.min if least is None else min(least, stats.min)
+        most = stats.max if most is None else max(most, stats.max)
+    return None if least is None or most is None else (least, most)
+
+
+def _overlapping(parts: list[pq.ParquetFile]) -> bool:
+    """Whether two of the parts may hold a window start in common (one writer closes its
+    windows in order: its parts never do)."""
+    spans = [_window_starts(part) for part in parts]
+    if any(span is None for span in spans):
+        return len(spans) > 1
+    ordered = sorted(span for span in spans if span is not None)
+    return any(b[0] <= a[1] for a, b in zip(ordered, ordered[1:], strict=False))
 
 
 def _starts_within(part: pq.ParquetFile, from_ms: int, to_ms: int) -> bool:
