@@ -1510,3 +1510,34 @@ def test_a_record_read_more_than_once_is_billed_once_the_last_one_read(tmp_path:
     assert allocated("--csv", tmp_path / "once.csv", "--jsonl", tmp_path / "twice.jsonl") == half
     # a record in a Parquet folder and in a file: the file's (read after it)
     assert allocated("--parquet", tmp_path / "pq-once", "--csv", tmp_path / "once.csv") == whole
+
+
+def test_a_group_called_other_is_its_own_bar_and_the_charts_draw_the_largest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chart over time stacked the groups outside its top 8 under the name "other", a
+    namespace's name too: namespace `other` drew 60 s, its own 50 s and ns8's 10 s, and ns8 was
+    named nowhere. The per-group charts drew the bill's first 15 lines, by cost: without
+    prices every cost is 0, so the first 15 names, and a group with the most GPU-hours was
+    left out."""
+    figs: list[Any] = []
+    monkeypatch.setattr(html_report, "_svg", lambda fig: figs.append(fig) or "")
+    names = ["other", *(f"ns{i}" for i in range(15)), "zz-train"]
+    records: list[BillingRecord] = []
+    for i, name in enumerate(names):
+        alloc = 60_000 if name == "zz-train" else 50_000 if name == "other" else 1_000 + i
+        records += [
+            msgspec.structs.replace(r, namespace=name) if r.pod_uid else r
+            for r in _window(f"GPU-{i}", alloc_ms=alloc)
+        ]
+    _page(records)
+    (over_time,) = [f for f in figs if "over time" in f.axes[0].get_title()]
+    legend = [t.get_text() for t in over_time.axes[0].get_legend().get_texts()]
+    assert legend[:2] == ["zz-train", "other"] and legend[-1] == "other (9 groups)"
+    heights = {t: p.get_height() for t, p in zip(legend, over_time.axes[0].patches, strict=True)}
+    assert heights["other"] == pytest.approx(50 / 3600)
+    (vs_used,) = [f for f in figs if "Allocated against used" in f.axes[0].get_title()]
+    ax = vs_used.axes[0]
+    assert ax.get_title().endswith("(the 15 largest of 17 by allocation)")
+    shown = [t.get_text() for t in ax.get_yticklabels()]
+    assert "zz-train" in shown and "other" in shown and len(shown) == 15

@@ -13,12 +13,13 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from .bill import Bill, hours, model_name, money, part_name
+from .bill import Bill, Line, hours, model_name, money, part_name
 from .summary import Summary
 
 __all__ = ["render"]
 
-TOP = 8  # groups drawn by name; the rest are "other"
+TOP = 8  # groups drawn by name in the chart over time; the rest are one "other (N groups)"
+SHOWN = 15  # groups in the per-group charts: the largest by allocation
 
 
 def _svg(fig: Any) -> str:
@@ -67,18 +68,22 @@ def _over_time(summary: Summary) -> str:
         per[g] += ms
     top = [g for g, _ in sorted(per.items(), key=lambda x: -x[1])[:TOP]]
     buckets = sorted({b for b, _ in summary.series})
-    stacks: dict[str, list[float]] = {g: [0.0] * len(buckets) for g in [*top, "other"]}
+    # The rest is keyed None: a group may be called "other" (a namespace can), and its stack
+    # took in every group outside the top, ns8 unnamed in the legend.
+    stacks: dict[str | None, list[float]] = {g: [0.0] * len(buckets) for g in [*top, None]}
     index = {b: i for i, b in enumerate(buckets)}
     for (b, g), ms in summary.series.items():
-        stacks[g if g in top else "other"][index[b]] += ms / 3_600_000
-    if not any(stacks["other"]):
-        del stacks["other"]
+        stacks[g if g in stacks else None][index[b]] += ms / 3_600_000
+    rest = len(per) - len(top)
+    if not any(stacks[None]):
+        del stacks[None]
     fig, ax = plt.subplots(figsize=(9, 3.6))
     xs = [dt.datetime.fromtimestamp(b / 1000, tz=dt.UTC) for b in buckets]
     width = summary.bucket_ms / 86_400_000 * 0.9
     bottom = [0.0] * len(buckets)
-    for g, ys in stacks.items():
-        ax.bar(xs, ys, width=width, bottom=bottom, label=_legend_label(part_name(g)), align="edge")
+    for group, ys in stacks.items():
+        label = f"other ({rest} groups)" if group is None else _legend_label(part_name(group))
+        ax.bar(xs, ys, width=width, bottom=bottom, label=label, align="edge")
         bottom = [a + b for a, b in zip(bottom, ys, strict=True)]
     ax.set_ylabel("GPU-hours allocated")
     ax.set_title(f"GPU-hours per {summary.by[0]} over time")
@@ -87,9 +92,18 @@ def _over_time(summary: Summary) -> str:
     return _svg(fig)
 
 
+def _largest(bill: Bill) -> tuple[list[Line], str]:
+    """The groups a per-group chart draws, and what its title says of the rest: the largest by
+    allocation (the bill lists by cost, and without prices every cost is 0: the first 15 names
+    were drawn, and a group with 10 times the GPU-hours of any other was left out)."""
+    lines = sorted(bill.groups, key=lambda x: (-x.allocated_ms, x.name))[:SHOWN]
+    more = len(bill.groups) - len(lines)
+    return lines, f" (the {SHOWN} largest of {len(bill.groups)} by allocation)" if more else ""
+
+
 def _allocated_vs_used(bill: Bill) -> str:
     plt = _pyplot()
-    lines = bill.groups[:15]
+    lines, of = _largest(bill)
     labels = [x.name for x in lines][::-1]
     alloc = [x.allocated_ms / 3_600_000 for x in lines][::-1]
     used = [x.used_ms / 3_600_000 for x in lines][::-1]
@@ -99,7 +113,7 @@ def _allocated_vs_used(bill: Bill) -> str:
     ax.barh([y - 0.2 for y in ys], used, height=0.4, label="used")
     ax.set_yticks(list(ys), labels, fontsize=8)
     ax.set_xlabel("GPU-hours")
-    ax.set_title("Allocated against used, per group")
+    ax.set_title(f"Allocated against used, per group{of}")
     _legend(ax, fontsize=8)
     return _svg(fig)
 
@@ -109,7 +123,7 @@ def _reserved_idle(bill: Bill) -> str:
     Used is drawn up to the allocation's active part (allocated - reserved idle); what it
     uses beyond that (a memory share while SMs idle, SM time beyond a limit) is marked."""
     plt = _pyplot()
-    lines = bill.groups[:15]
+    lines, of = _largest(bill)
     labels = [x.name for x in lines][::-1]
     h = 3_600_000
     idle = [x.reserved_idle_ms / h for x in lines][::-1]
@@ -129,7 +143,7 @@ def _reserved_idle(bill: Bill) -> str:
                    color="#064", label="used (beyond the active allocation)", zorder=3)  # fmt: skip
     ax.set_yticks(ys, labels, fontsize=8)
     ax.set_xlabel("GPU-hours allocated")
-    ax.set_title("Used, reserved but idle (no SM activity) and the rest of the allocation")
+    ax.set_title(f"Used, reserved but idle (no SM activity) and the rest of the allocation{of}")
     _legend(ax, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _svg(fig)
 
