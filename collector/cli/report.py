@@ -128,18 +128,16 @@ def _write(path: str, text: str) -> bool:
     # usage.csv.part --out-csv usage.csv` overwrote the records with the bill, then renamed
     # them away).
     part = f"{real}.{secrets.token_hex(6)}.part"
+    created = False
     try:
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as exc:
-        say(f"hami-usage report: {path}: {exc.strerror}")
-        return False
-    try:
-        with open(fd, "w", encoding="utf-8") as f:
+        with open(part, "x", encoding="utf-8") as f:
+            created = True
             f.write(text)
         os.replace(part, real)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(part)
+        if created:
+            with contextlib.suppress(OSError):
+                os.unlink(part)
         say(f"hami-usage report: {path}: {exc.strerror}")
         return False
     return True

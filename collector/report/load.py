@@ -418,13 +418,15 @@ def from_parquet(
             except (pa.ArrowException, OSError, LoadError) as e:
                 fault = (path, e)  # (raised once the parts before it are read)
                 break
-        ids = bool(len(elsewhere)) or _overlapping([part for _, part in parts])
+        spans = [_window_starts(part) for _, part in parts]
+        ids = bool(len(elsewhere)) or _overlapping(spans)
         target = with_ids if ids else without_ids
-        for path, part in parts:
+        for (path, part), span in zip(parts, spans, strict=True):
             try:
                 physical = part.schema_arrow
                 present = [n for n in target.names if physical.get_field_index(n) >= 0]
-                inside = _starts_within(part, from_ms, to_ms)
+                # every window start in [from, to) (the usual part, of one close): no filter
+                inside = span is not None and from_ms <= span[0] and span[1] < to_ms
                 for batch in part.iter_batches(batch_size=batch_rows, columns=present):
                     if not inside:
                         start = batch.column("window_start_ms")
@@ -448,7 +450,7 @@ def _window_starts(part: pq.ParquetFile) -> tuple[int, int] | None:
     """The least and greatest window start of the part, by its statistics (None: unknown)."""
     meta = part.metadata
     leaves = [meta.schema.column(j).path for j in range(meta.num_columns)]
-    i = leaves.index("window_start_ms")
+    i = leaves.index("window_start_ms")  # (a leaf's index: `labels` is a map of two)
     least = most = None
     for g in range(meta.num_row_groups):
         stats = meta.row_group(g).column(i).statistics
@@ -459,29 +461,13 @@ def _window_starts(part: pq.ParquetFile) -> tuple[int, int] | None:
     return None if least is None or most is None else (least, most)
 
 
-def _overlapping(parts: list[pq.ParquetFile]) -> bool:
-    """Whether two of the parts may hold a window start in common (one writer closes its
-    windows in order: its parts never do)."""
-    spans = [_window_starts(part) for part in parts]
+def _overlapping(spans: list[tuple[int, int] | None]) -> bool:
+    """Whether two parts of these window-start spans may hold a window start in common (one
+    writer closes its windows in order: its parts never do)."""
     if any(span is None for span in spans):
         return len(spans) > 1
     ordered = sorted(span for span in spans if span is not None)
     return any(b[0] <= a[1] for a, b in zip(ordered, ordered[1:], strict=False))
-
-
-def _starts_within(part: pq.ParquetFile, from_ms: int, to_ms: int) -> bool:
-    """Whether the part's statistics say every window start in it is in [from, to) (the
-    usual part, of one close: no row filter to run). The part has the column (checked)."""
-    meta = part.metadata
-    leaves = [meta.schema.column(j).path for j in range(meta.num_columns)]
-    i = leaves.index("window_start_ms")  # (a leaf's index: `labels` is a map of two)
-    for g in range(meta.num_row_groups):
-        stats = meta.row_group(g).column(i).statistics
-        if stats is None or not stats.has_min_max or stats.null_count:
-            return False
-        if not (from_ms <= stats.min and stats.max < to_ms):
-            return False
-    return True
 
 
 def _milliseconds(table: pa.Table) -> pa.Table:

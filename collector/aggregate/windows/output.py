@@ -181,7 +181,7 @@ class Output:
             self._stats.allocation_fallbacks += 1
         ctrs = [k for k in keys if k[2]]  # node rows (empty pod_uid) are allocated nothing
         used_raw = [used_ms(out[k].sm, out[k].mem, memory) for k in ctrs]
-        used, used_over = fit(used_raw, observed)
+        used, _ = fit(used_raw, observed)  # (flags nothing: see the README)
         if policy == "usage":
             # the used time while present: not while Kubernetes says it does not run
             raw = [used_ms(out[k].psm, out[k].pmem, memory) for k in ctrs]
