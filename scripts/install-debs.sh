@@ -4,13 +4,15 @@
 # secured test broker's certificates (scripts/kafka-secure.sh); kcat is the plain, non-Python
 # Kafka client of tests/test_billing_topic.py and the README's "Consuming the billing topic";
 # Debian's chromium opens the HTML chargeback report headless in tests/test_report.py
-# (fonts-dejavu-core: its text).
+# (fonts-dejavu-core: its text); util-linux's setpriv runs inspect without root's file-mode
+# override in tests/test_inspect_cli.py.
 set -euo pipefail
 need=()
 for tool in faketime openssl kcat; do
     command -v "$tool" >/dev/null 2>&1 || need+=("$tool")
 done
 command -v chromium >/dev/null 2>&1 || need+=(chromium fonts-dejavu-core)
+command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
 [[ ${#need[@]} -eq 0 ]] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then
     echo "install-debs.sh: apt-get not found; install: ${need[*]}" >&2
