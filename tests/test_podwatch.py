@@ -393,6 +393,41 @@ async def test_credentials_that_cannot_be_loaded_are_retried_not_the_end_of_the_
     assert errors[0].endswith("pod names stay unknown until they can; retrying")
 
 
+@pytest.mark.parametrize("answer", ["null", "an expiry that is no time"])
+async def test_an_exec_plugins_unexpected_answer_is_retried_not_the_end_of_the_watch(
+    server: ApiServer, tmp_path: Path, answer: str
+) -> None:
+    """A plugin that exits 0 with `null`, or with an expiry the client cannot parse: the client
+    raised a TypeError or a ValueError, not its ConfigException, and the watch ended for good
+    (new pods unnamed, finished ones still running, until a restart)."""
+    user, token, _ = plugin(tmp_path)
+    token.write_text(server.token)
+    said = {
+        "null": "null",
+        "an expiry that is no time": json.dumps(
+            {
+                "apiVersion": "client.authentication.k8s.io/v1beta1",
+                "kind": "ExecCredential",
+                "status": {"token": server.token, "expirationTimestamp": "soon"},
+            }
+        ),
+    }[answer]
+    script = tmp_path / "plugin.sh"
+    lines = script.read_text().splitlines()
+    odd = tmp_path / "plugin-odd"
+    lines.insert(2, f"if [ -e {odd} ]; then cat {odd}; exit 0; fi")
+    script.write_text("\n".join(lines) + "\n")
+    async with watching(server, tmp_path, user=user) as watch:
+        await until(lambda: server.open_watches > 0)
+        odd.write_text(said)
+        server.drop_watches()
+        await until(lambda: watch.stats.auth_errors >= 2)
+        odd.unlink()
+        pod = server.add_owned_pod("web", "StatefulSet", "db", "db-1", ["pg"])
+        await until(lambda: pod["metadata"]["uid"] in watch.view, 10)
+        assert watch.stats.connected
+
+
 async def test_403_on_pods_is_reported_and_on_replicasets_falls_back_to_the_name(
     server: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -857,6 +892,45 @@ async def test_a_pod_deleted_before_its_owner_is_read_is_named_once_it_is(
         await until(lambda: workload(watch, uid) == ("CronJob", "nightly"))
         assert names(watch)[uid][4] == {"cost-center": "cc-17"}
         assert job_statuses(server) == [200]
+
+
+@pytest.mark.parametrize("how", ["event-between", "deleted-while-away"])
+async def test_a_pod_deleted_while_its_namespace_read_hangs_is_named_once_it_answers(
+    server: ApiServer, tmp_path: Path, how: str
+) -> None:
+    """The read's answer was published only from the metadata the read began with: a pod with
+    an event between (a status change, here a label) and then deleted, or deleted while the
+    watch was away (a 410 and a list), kept its name without the namespace's labels for as
+    long as a deleted pod is kept."""
+    async with watching(server, tmp_path, request_timeout_s=60) as watch:
+        await asyncio.wait_for(watch.synced.wait(), 30)
+        server.held = {"namespaces"}
+        pod = server.add_owned_pod(
+            "ml", "StatefulSet", "db", "db-0", ["main"], labels={"team": "a"}
+        )
+        uid = pod["metadata"]["uid"]
+        await until(lambda: uid in watch.view and namespace_gets(server) == [0])
+        if how == "event-between":
+            server.relabel(uid, team="b")
+            await until(lambda: names(watch)[uid][4] == {"team": "b"})
+            server.delete_pod(uid)
+        else:
+            lists = watch.stats.lists
+            server.compact()
+            server.delete_pod(uid)
+            server.compact()
+            server.drop_watches()
+            await until(lambda: watch.stats.lists > lists)
+        await until(lambda: watch.view[uid].deleted)
+        server.held = set()
+        team = "b" if how == "event-between" else "a"
+        await until(lambda: names(watch)[uid][4] == {"cost-center": "cc-17", "team": team})
+        assert names(watch)[uid][:4] == ("ml", "db-0", "StatefulSet", "db")
+        assert not watch._gone_metas
+
+
+def namespace_gets(server: ApiServer) -> list[int]:
+    return [r.status for r in server.requests if r.path == "/api/v1/namespaces/ml"]
 
 
 async def test_the_events_of_a_pod_whose_owner_read_hangs_share_one_task(

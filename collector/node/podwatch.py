@@ -532,12 +532,16 @@ class PodWatch:
         self.stats.connected = True
         now = time.monotonic()
         listed = {p.metadata.uid for p in pods}
-        self._metas = {p.metadata.uid: _kept(p.metadata) for p in pods}
+        metas, self._metas = self._metas, {p.metadata.uid: _kept(p.metadata) for p in pods}
         view = dict(self.view)
+        unknown: list[str] = []
         for uid, pv in list(view.items()):
             if uid not in listed and not pv.deleted:
                 view[uid] = _deleted(pv, now)  # deleted while we were not watching
-        unknown: list[str] = []
+                if (kept := metas.get(uid)) is not None and not self._known(kept, now)[1]:
+                    # Deleted unnamed, as a DELETED event can leave it (see `_event`).
+                    self._gone_metas[uid] = kept
+                    unknown.append(uid)
         for pod in pods:
             uid = pod.metadata.uid
             view[uid], current = self._view_of(pod, view.get(uid), now)
@@ -722,17 +726,18 @@ class PodWatch:
             log.exception("pod watch: resolving identities failed")
         finally:
             self._pending.difference_update(uids)
-            for u in uids:
-                self._gone_metas.pop(u, None)
-        # A pod's event while this read ran (its task skipped): named from its newer metadata
-        # as far as the caches know now, and read again if that is not current.
+        # A pod's event while this read ran (its task skipped), its deletion among them: named
+        # from its newer metadata as far as the caches know now, and read again if that is
+        # not current (a deleted pod keeps its metadata in `_gone_metas` until then).
         now = time.monotonic()
         again: list[str] = []
         for u in uids:
-            if (m := self._metas.get(u)) is not None and m is not began[u]:
+            if (m := self._meta_of(u)) is not None and m is not began[u]:
                 self._publish_known(u, m)
                 if not self._known(m, now)[1]:
                     again.append(u)
+                    continue
+            self._gone_metas.pop(u, None)
         self._resolve_later(again)
 
     def _meta_of(self, uid: str) -> ObjectMeta | None:
@@ -901,8 +906,18 @@ def _reloading(loader: Any) -> Callable[[Any], Awaitable[None]]:
     time if it gives no expiry). Client certificates stay those the client was made with. The
     library refreshes the in-cluster token itself, a kubeconfig's only when asked."""
 
+    from kubernetes_asyncio.config import ConfigException
+
     async def reload(cfg: Any) -> None:
-        await loader.load_and_set(cfg)
+        try:
+            await loader.load_and_set(cfg)
+        except ConfigException:
+            raise
+        except Exception as exc:
+            # The library passes an exec plugin's unexpected answer on as it is (`null`: a
+            # TypeError, an expiry that is no time: a ValueError): credentials that cannot be
+            # loaded, retried as its ConfigException is, not the end of the watch.
+            raise ConfigException(f"{type(exc).__name__}: {exc}") from None
 
     return reload
 
