@@ -1091,6 +1091,33 @@ def test_a_torn_slot_holds_back_only_the_process_now_in_it(
     ]
 
 
+def test_a_slot_kept_torn_holds_back_one_process_not_every_one_of_its_pid(
+    root: Path, writers: list[CacheWriter]
+) -> None:
+    """Slot 0 is kept torn (odd at another count each scan) with pid 7, and the tenant writes
+    pid 7 under new host pids into its other slots every scan: every process ever seen with
+    pid 7 was held back, so none exited and the state (stated, billed and restated in every
+    heartbeat) grew by four processes a scan. Only the one last seen in slot 0 is held."""
+    w = make(writers, root, V12)
+    w.add_process(7, 1)
+    for k in range(1, 5):
+        w.add_process(7, 100 + k)
+        w.region.procs[k].used[0].data_size = w.region.procs[k].used[0].total = GiB
+    h = Harness(root)
+    h.scan()
+    for scan in range(1, 4):
+        w.region.procs[0].seqlock = 2 * scan + 1
+        for k in range(1, 5):
+            w.region.procs[k].hostpid = 100 * (scan + 1) + k
+        events = h.scan()
+        exited = sorted(b[1]["hostpid"] for b in events if b[0] == "ProcessExited")
+        started = sorted(b[1]["hostpid"] for b in events if b[0] == "ProcessStarted")
+        assert exited == [100 * scan + k for k in range(1, 5)]
+        assert started == [100 * (scan + 1) + k for k in range(1, 5)]
+        st = h.scanner._files[next(iter(h.scanner._files))]
+        assert sorted(st.procs) == [(7, 1)] + [(7, 100 * (scan + 1) + k) for k in range(1, 5)]
+
+
 def test_a_file_that_turns_unreadable_keeps_its_processes_and_is_restated_after(
     root: Path, writers: list[CacheWriter], monkeypatch: pytest.MonkeyPatch
 ) -> None:

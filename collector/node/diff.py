@@ -8,7 +8,7 @@ it comes back after having gone.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -253,7 +253,7 @@ def diff(
     restate = _identity(st, snap, stamp, events, announce=announce, again=again) or st.restate
     _report_anomalies(st, anomalies, stamp, events)
 
-    held = _held(st, snap) | _beyond_the_count(st, garbled)
+    held = _held(st, snap, procs.keys()) | _beyond_the_count(st, garbled)
     gone = st.procs - procs.keys() - held
     for pk in sorted(gone):
         events.append(stamp(ProcessExited, cid=st.cid, pid=pk[0], hostpid=pk[1]))
@@ -354,16 +354,29 @@ def _sample(
         events.append(stamp(UsageSample, cid=st.cid, rows=changed))
 
 
-def _held(st: FileState, snap: Snapshot) -> set[ProcKey]:
-    """Processes in a slot this snapshot left out as torn_read: the one with the pid the
-    collector read there (`value`), wherever it was last seen (compaction moves processes
-    down); the one last seen in that slot only when its pid could not be read."""
-    torn = [a for a in snap.anomalies if a.kind == "torn_read"]
-    if not torn:
-        return set()
-    slots = {a.slot for a in torn if not a.value}
-    pids = {a.value for a in torn if a.value}
-    return {pk for pk in st.procs if pk[0] in pids or st.slots.get(pk) in slots}
+def _held(st: FileState, snap: Snapshot, live: Collection[ProcKey]) -> set[ProcKey]:
+    """Processes in a slot this snapshot left out as torn_read: one a slot, with the pid the
+    collector read there (`value`): the one last seen in that slot, else the one compaction
+    may be moving there (it moves the last slot down), last seen highest above it and not
+    live elsewhere; every one last seen in that slot when its pid could not be read. (Every
+    known process of that pid was held: a tenant that kept one slot torn and wrote that pid
+    under new host pids in its other slots had their exits held back, and its state grow, for
+    good.)"""
+    held: set[ProcKey] = set()
+    for a in snap.anomalies:
+        if a.kind != "torn_read" or a.slot is None:
+            continue
+        k = a.slot
+        if not a.value:
+            held.update(pk for pk in st.procs if st.slots.get(pk) == k)
+            continue
+        here = [pk for pk in st.procs if pk[0] == a.value and st.slots.get(pk) == k]
+        if not here:
+            above = [pk for pk in st.procs if pk[0] == a.value and pk not in live
+                     and pk not in held and st.slots.get(pk, -1) > k]  # fmt: skip
+            here = sorted(above, key=lambda pk: st.slots.get(pk, -1))[-1:]
+        held.update(here)
+    return held
 
 
 def _beyond_the_count(st: FileState, garbled: list[Anomaly]) -> set[ProcKey]:
