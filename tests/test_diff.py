@@ -589,6 +589,36 @@ def test_a_dead_slot_the_snapshot_hides_for_a_scan_stays_dead(
     assert h.scan() == []
 
 
+@pytest.mark.parametrize("layout", [V12, V11], ids=["v1.2", "v1.1"])
+def test_a_dead_slot_stays_dead_when_the_device_table_fills_in(
+    root: Path, host_proc: Path, layout: Layout
+) -> None:
+    """The reader gives a slot a row for each device the table lists: when a later process's
+    first NVML call registered the devices, the dead slot's rows gained zero rows, which
+    counted as its counters moving, and it was started and billed again (2 GiB) for good."""
+    d = root / f"{POD}_main"
+    d.mkdir()
+    w = CacheWriter(d / "late.cache", layout, DEVICES, register_devices=False)
+    try:
+        for pid in (1, 2):
+            (host_proc / str(500 + pid)).mkdir()
+        w.add_process(1, 501)
+        w.add_memory(1, 0, "data", 2 * GiB)
+        w.add_process(2, 502)
+        h = Harness(root, host_proc=host_proc)
+        h.scan()
+        (host_proc / "501").rmdir()  # SIGKILL: the slot stays
+        assert [b[0] for b in h.scan()] == ["LayoutAnomaly", "ProcessExited"]
+        w.register_devices()
+        later = [b[0] for _ in range(3) for b in h.scan()]
+        assert later == ["LimitsChanged", "UsageSample"]  # 2's rows, restated with the table
+        st = h.scanner._files[next(iter(h.scanner._files))]
+        assert sorted(st.procs) == [(2, 502)]
+        assert sorted(st.rows) == [(2, 502, 0), (2, 502, 1)]
+    finally:
+        w.close()
+
+
 def test_a_live_slot_under_a_stale_host_pid_the_snapshot_hides_for_a_scan_stays_live(
     root: Path, writers: list[CacheWriter], host_proc: Path
 ) -> None:

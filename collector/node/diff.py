@@ -118,8 +118,14 @@ def host_pid_alive(host_proc: str, hostpid: int) -> bool:
 
 def _counters(rows: list[UsageRow]) -> list[tuple[int, int, int, int, int]]:
     # What the process itself writes; monitorused and sm_util are the watcher's, which zeroes
-    # them for every slot it cannot match to a process.
-    return [(r.device, r.context, r.module, r.data, r.total) for r in rows]
+    # them for every slot it cannot match to a process. A device's row of zeros is no counter:
+    # the reader gives a slot one for each device the table lists, so a table filled in later
+    # (HAMi-core registers devices lazily) adds them without the slot's bytes changing.
+    return [
+        (r.device, r.context, r.module, r.data, r.total)
+        for r in rows
+        if r.context or r.module or r.data or r.total
+    ]
 
 
 def drop_dead_hosts(
