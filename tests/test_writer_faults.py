@@ -7,6 +7,7 @@ reads them (and, for stale utilisation, the real CrossCheck against the NVML sta
 from __future__ import annotations
 
 import ctypes as C
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ from fake_nvml import FakeGpu, FakeNvml
 
 from collector.events import Event, LayoutAnomaly, ProcessExited, UsageSample
 from collector.layout.declarations import V0A, V11, V11_INTERIM, V12
-from collector.layout.reader import read_snapshot
+from collector.layout.reader import DEFAULT_RETRIES, RETRIED_SLOTS, read_snapshot
 from collector.node.crosscheck import CrossCheck
 from collector.node.diff import FileState, diff
 from collector.node.nvml import NvmlSource
@@ -410,6 +411,40 @@ def test_by_default_a_stuck_seqlock_is_taken_on_the_second_scan(
     second = s.scan()
     assert kinds(second) == [("stuck_seqlock", 0, 1)]
     assert rows(second)[(10, 1)] == 3 * MiB
+
+
+def test_many_slots_held_odd_cost_a_scan_a_bounded_number_of_retries(
+    tmp_path: Path, writers: list[FaultyWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every slot odd at once (64 writers killed mid-update, or a tenant writing odd counts):
+    each slot was retried 64 times on every scan (1 024 slots: 0.17 s a scan, for good). A
+    snapshot retries RETRIED_SLOTS slots' worth in all; the others are torn at once, and the
+    next scan takes every one of them as stuck, as before."""
+    w = writer(tmp_path, writers)
+    n = 64
+    for pid in range(100, 100 + n):
+        w.add_process(pid, 1000 + pid)
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)  # stuck on the second scan
+    s.scan()
+    for pid in range(100, 100 + n):
+        w.kill_mid_update(pid, 0, "data", MiB)
+    reads = 0
+    real = os.pread
+
+    def counted(fd: int, length: int, offset: int) -> bytes:
+        nonlocal reads
+        reads += 1
+        return real(fd, length, offset)
+
+    monkeypatch.setattr(os, "pread", counted)
+    first = s.scan()
+    monkeypatch.undo()
+    assert kinds(first) == [("torn_read", k, 100 + k) for k in range(n)]
+    retried = RETRIED_SLOTS * DEFAULT_RETRIES * 3  # (seq, slot, seq) each
+    assert retried < reads <= retried + 8 * n + 16  # the writer-fault checks: a few a slot
+    second = s.scan()
+    assert kinds(second) == [("stuck_seqlock", k, 1) for k in range(n)]
+    assert billed(s) == {0: n * MiB, 1: 0}
 
 
 def test_by_default_a_writer_caught_mid_update_twice_is_not_stuck(

@@ -35,6 +35,11 @@ U64_MASK = (1 << 64) - 1
 _LOW_BIT = bytes(b & 1 for b in range(256))  # bytes.translate table: each byte -> its low bit
 WRAP = 1 << 63  # a u64 counter this large went below zero (HAMi issue #1181)
 DEFAULT_RETRIES = 64
+# A snapshot retries at most this many slots' worth of `retries` in all: a writer holds a slot
+# odd for nanoseconds, so a file with many slots odd at once is a dead or hostile writer, and
+# 1 024 slots held odd cost a scan 0.2 s of retries, every scan (writer_faults then reads those
+# still odd at the next scan as stuck).
+RETRIED_SLOTS = 4
 _EMPTY_IDS = bytes(8)  # pid and hostpid of an empty slot
 # Slots [proc_num, end) read along twice, as (proc_num, end, first read, second read, offset):
 # the slots are each read's bytes from `offset` on (the reads begin below them).
@@ -158,9 +163,10 @@ class _File:
     """pread on an open descriptor; reads past the end come back short, never raise. `short`:
     whether any read came back shorter than asked (the file may have been cut since its fstat)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, retries: int = DEFAULT_RETRIES) -> None:
         self.fd = fd
         self.short = False
+        self.retries_left = retries * RETRIED_SLOTS  # this snapshot's, for `_retry_slot`
 
     def read_at(self, offset: int, length: int) -> bytes:
         try:
@@ -246,9 +252,10 @@ def _read_slots(
             ok = s0 == after[lo + seq : lo + seq + 8] and not s0[0] & 1
         else:
             ok = data[lo : lo + size] == after[lo : lo + size]
-        slot = data[lo : lo + size] if ok else _retry_slot(f, layout, first + k, retries)
+        tries = min(retries, f.retries_left)
+        slot = data[lo : lo + size] if ok else _retry_slot(f, layout, first + k, tries)
         if slot is None:
-            detail = f"slot {first + k} still changing after {retries} retries"
+            detail = f"slot {first + k} still changing after {tries} retries"
             anomalies.append(Anomaly("torn_read", detail, slot=first + k))
             continue
         if len(slot) < size:
@@ -261,6 +268,7 @@ def _retry_slot(f: _File, layout: Layout, k: int, retries: int) -> bytes | None:
     off = layout.slot_offset(k)
     seq = layout.slot_seqlock
     for _ in range(retries):
+        f.retries_left -= 1
         if seq is not None:
             s0 = f.read_at(off + seq, 8)
             slot = f.read_at(off, layout.slot_size)
@@ -532,7 +540,7 @@ def snapshot_fd(
     checks the file it keeps open on each scan); `memo`: see `ParseMemo`. `ahead`: for a
     proc_num, the slot up to which to read along past it (the writer-fault checks look there;
     reading them with the slots saves those reads), left in `memo.past`."""
-    f = _File(fd)
+    f = _File(fd, retries)
     if memo is not None:
         memo.past = None  # until this snapshot reads them along
     if st is None:
