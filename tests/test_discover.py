@@ -14,6 +14,8 @@ import pytest
 from collector.events import LayoutAnomaly, decode, encode
 from collector.node import discover
 from collector.node.discover import (
+    MANY_FILES,
+    MAX_FILES,
     NOT_UTF8,
     SYMLINK,
     CacheFile,
@@ -78,6 +80,28 @@ def test_two_cache_files_in_one_directory_are_both_tracked(tmp_path: Path) -> No
     a = touch_cache(d, "aaaa.cache")
     files, _ = Discovery(tmp_path).scan()
     assert files == [entry(a, POD, "main"), entry(b, POD, "main")]
+
+
+def test_a_folder_of_many_cache_files_has_only_those_changed_last_read(tmp_path: Path) -> None:
+    """A tenant's folder of 20 000 empty `*.cache` files was 20 000 containers, each opened,
+    read, announced and restated on every scan (and all 16 384 kept descriptors went to it).
+    Past MAX_FILES, the ones changed last are read, in name order, and the folder is reported
+    once while it lasts; the neighbour's folder is read as ever."""
+    d = tmp_path / f"{POD}_main"
+    made = [touch_cache(d, f"{i:03}.cache") for i in range(MAX_FILES + 5)]
+    for p in reversed(made):  # 000.cache changed last (a file's times: its ctime is now)
+        time.sleep(0.01)  # (more than a coarse kernel clock's tick)
+        os.utime(p, ns=(0, 0))
+    by_ctime = made[:MAX_FILES]
+    neighbour = touch_cache(tmp_path / f"{POD}_other")
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    first = s.scan(now_ms=1000)
+    reported = [(e.path, e.anomaly, e.detail) for e in first if isinstance(e, LayoutAnomaly)
+                and e.anomaly == LARGE]  # fmt: skip
+    assert reported == [(str(d), LARGE, MANY_FILES)]
+    assert sorted(k[0] for k in s._files) == sorted([str(p) for p in by_ctime] + [str(neighbour)])
+    assert not [e for e in s.scan(now_ms=2000) if isinstance(e, LayoutAnomaly)]
+    assert s.discovery.open_count == 2 + MAX_FILES + 1  # two folders, the files read
 
 
 def test_replaced_file_is_a_new_file(tmp_path: Path) -> None:

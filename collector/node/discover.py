@@ -65,6 +65,12 @@ NOT_UTF8 = "a name that is not UTF-8"
 # A change within the filesystem's timestamp granularity can leave a folder's times as they
 # were: a stamp newer than this proves nothing.
 TIMESTAMP_WINDOW_NS = 2_000_000_000
+# A HAMi container folder holds one cache file, two while a new allocation replaces it: past
+# this many (a tenant's folder of 20 000 empty `*.cache` files was 20 000 containers, read,
+# announced and restated every scan, and took every kept descriptor), the ones changed last
+# are read and the folder is reported.
+MAX_FILES = 16
+MANY_FILES = f"more than {MAX_FILES} cache files: the {MAX_FILES} changed last are read"
 
 
 @dataclass(frozen=True)
@@ -346,6 +352,7 @@ class Discovery:
             return d
         except OSError as exc:
             return self._unlisted(d, path, exc)
+        regular: list[tuple[int, str, CacheFile]] = []
         try:
             found: list[str] = []
             with os.scandir(fd) as it:
@@ -370,11 +377,16 @@ class Discovery:
                 elif not stat.S_ISREG(st.st_mode):
                     d.skipped.append(Skipped(file_path, NOT_REGULAR))
                 else:
-                    d.files.append(CacheFile(pod_uid, container, file_path, st.st_ino, st.st_dev))
+                    f = CacheFile(pod_uid, container, file_path, st.st_ino, st.st_dev)
+                    regular.append((st.st_ctime_ns, file_name, f))
         except OSError as exc:
             return self._unlisted(d, path, exc)
         finally:
             os.close(fd)
+        if len(regular) > MAX_FILES:
+            d.skipped.append(Skipped(path, MANY_FILES, "large_directory"))
+            regular = sorted(sorted(regular, reverse=True)[:MAX_FILES], key=lambda r: r[1])
+        d.files = [f for _, _, f in regular]
         return d
 
     def _unlisted(self, d: _Dir, path: str, exc: OSError) -> _Dir:
