@@ -456,6 +456,8 @@ def test_duplicate_far_behind_the_newest_sequence_is_dropped() -> None:
     c = Collector()
     agg = Aggregator(S)
     agg.add("n1", c.appeared(0))
+    # (after a drop of 19 998 events: two in a row, so the window moves to them)
+    agg.add("n1", UsageSample(1, c.inc, 19_999, 1_000, 1, [row(1, 5)]))
     agg.add("n1", UsageSample(1, c.inc, 20_000, 1_000, 1, [row(1, 5)]))
     agg.add("n1", UsageSample(1, c.inc, 5_000, 1_000, 1, [row(1, 5)]))  # never seen, but old
     assert agg.stats.duplicates == 1
@@ -468,6 +470,25 @@ def test_a_seq_exactly_the_window_behind_and_never_seen_is_admitted() -> None:
     assert incs.admit("n1", 1, 20_000 - DEDUP_WINDOW, 0)
     assert not incs.admit("n1", 1, 20_000 - DEDUP_WINDOW, 0)  # now seen
     assert not incs.admit("n1", 1, 20_000 - DEDUP_WINDOW - 1, 0)
+
+
+def test_a_lone_seq_far_ahead_moves_no_window() -> None:
+    """One event whose seq is 10 000 000 (a corrupt or hostile producer) made every later
+    event of its incarnation "more than DEDUP_WINDOW behind", each dropped as a duplicate. It is
+    admitted, and kept so that its redelivery is one, but only a seq whose predecessor was seen
+    too (a collector that dropped that many events goes on from there) moves the window."""
+    incs = Incarnations()
+    for seq in range(100):
+        assert incs.admit("n1", 1, seq, 0)
+    assert incs.admit("n1", 1, 10_000_000, 0)
+    assert not incs.admit("n1", 1, 10_000_000, 0)  # its redelivery
+    for seq in range(100, 200):
+        assert incs.admit("n1", 1, seq, 0)
+    assert not incs.admit("n1", 1, 150, 0)
+    far = 200 + DEDUP_WINDOW + 1  # after a drop of more than DEDUP_WINDOW events
+    assert incs.admit("n1", 1, far, 0)
+    assert incs.admit("n1", 1, far + 1, 0)  # the window moves
+    assert not incs.admit("n1", 1, far - DEDUP_WINDOW - 1, 0)  # far behind it now
 
 
 _INC_OPS = st.lists(

@@ -5,7 +5,11 @@ Duplicates
 (node, inc, seq) identifies an event. Per (node, inc) the aggregator keeps the highest seq seen
 and the set of seqs from `highest - DEDUP_WINDOW` (10 000) on. An event seen before is dropped and
 counted in `stats.duplicates`; so is an event more than `DEDUP_WINDOW` sequence numbers behind the
-newest of its incarnation (that far behind it is a redelivery, not reordering). The state of an
+newest of its incarnation (that far behind it is a redelivery, not reordering). An event more than
+`DEDUP_WINDOW` ahead of the newest is the newest only once the seq before it is seen too (a
+collector that dropped that many events sends on from there): one alone is admitted and
+remembered but moves nothing (a single corrupt seq of 10 000 000 made every later event of its
+incarnation a "duplicate": half a stream's records lost). The state of an
 incarnation is forgotten once a newer one exists, it has no containers left, and its last event
 is more than max_gap + lateness + one window behind the closed end; a redelivery after that is
 no longer recognised (it is then late, or an event of a container that is not named), but the
@@ -58,7 +62,10 @@ class Incarnation:
 
     def prune(self) -> None:
         low = self.hwm - DEDUP_WINDOW
-        self.seqs = {s for s in self.seqs if s >= low}
+        seqs = {s for s in self.seqs if s >= low}
+        if len(seqs) > 2 * DEDUP_WINDOW:
+            seqs = {s for s in seqs if s <= self.hwm}  # (lone seqs far ahead: no longer known)
+        self.seqs = seqs
 
     def seen_before(self, seq: int) -> bool:
         """For a seq at or below the highest one (the caller handles the common case)."""
@@ -102,9 +109,14 @@ class Incarnations:
             incs[inc] = incarnation
             if len(incs) > 1:
                 self.several.add(node)
+        seqs = incarnation.seqs
         if seq > incarnation.hwm:
-            incarnation.hwm = seq
-            seqs = incarnation.seqs
+            hwm = incarnation.hwm
+            if hwm >= 0 and seq - hwm > DEDUP_WINDOW and seq - 1 not in seqs:
+                if seq in seqs:
+                    return False  # the same lone seq again
+            else:
+                incarnation.hwm = seq
             seqs.add(seq)
             if len(seqs) > 2 * DEDUP_WINDOW:
                 incarnation.prune()
