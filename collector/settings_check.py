@@ -285,13 +285,16 @@ def writable_file(flag: str, value: str) -> None:
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise SettingError(f"{flag} {value}: not a regular file")
     flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | (0 if st else os.O_CREAT | os.O_EXCL)
+    # A symlink to a file not made yet is tried at the file it names: O_EXCL does not follow
+    # the link (it said "File exists"), and the trial file removed must not be the link.
+    target = value if st is not None else os.path.realpath(value)
     try:
-        fd = os.open(value, flags, 0o644)
+        fd = os.open(target, flags, 0o644)
     except OSError as exc:
         raise SettingError(f"{flag} {value}: cannot write: {exc.strerror}") from None
     os.close(fd)
     if st is None:
-        os.unlink(value)
+        os.unlink(target)
 
 
 def utf8(text: str) -> bool:

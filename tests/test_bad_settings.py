@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from collector.settings_check import SettingError, writable_file
 from collector.transport.security import KafkaSecurity
 
 HAMI_USAGE = Path(sys.executable).parent / "hami-usage"
@@ -239,6 +240,29 @@ def test_aggregate(paths: dict[str, str], tmp_path: Path, args: list[str], messa
     message = message.replace("{dir}", paths["dir"]).replace("{file}", paths["file"])
     assert_one_line(proc, "hami-usage aggregate: " + message)
     assert os.listdir(paths["log"]) == []  # no checkpoint written: nothing started
+
+
+def test_an_output_that_is_a_symlink_to_a_file_not_made_yet_is_writable(tmp_path: Path) -> None:
+    """`billing.csv -> /mnt/vol/billing-2026-12.csv`, the file not made yet: the trial open's
+    O_EXCL does not follow a symlink, so every output flag said "cannot write: File exists",
+    exit 2. The trial is made at the file the link names, and removed there: the link stays."""
+    (tmp_path / "vol").mkdir()
+    link = tmp_path / "billing.csv"
+    link.symlink_to(tmp_path / "vol" / "billing-2026-12.csv")
+    writable_file("--csv", str(link))
+    assert link.is_symlink() and os.listdir(tmp_path / "vol") == []
+    (tmp_path / "log").mkdir()
+    proc = run("replay", "--log", str(tmp_path / "log"), "--from", "2026-12-01", "--to",
+               "2026-12-02", "--csv", str(link), cwd=tmp_path)  # fmt: skip
+    assert (proc.returncode, proc.stderr.splitlines()[-1]) == (
+        0, "replay: 0 records; damage: none"
+    )  # fmt: skip
+    written = (tmp_path / "vol" / "billing-2026-12.csv").read_text()
+    assert written.startswith("window_start,window_end,node,")
+    nowhere = tmp_path / "nowhere.csv"
+    nowhere.symlink_to(tmp_path / "no-such-folder" / "x.csv")
+    with pytest.raises(SettingError, match="nowhere.csv: cannot write: No such file or dir"):
+        writable_file("--csv", str(nowhere))
 
 
 def test_aggregate_refuses_a_local_log_it_cannot_write_its_checkpoint_in() -> None:
