@@ -73,6 +73,17 @@ def printable(name: str, value: str, limit: int = MAX_NAME) -> None:
         )
 
 
+def label_key(name: str) -> bool:
+    """Whether `name` can be a Kubernetes label key as a setting or flag names one: 1 to 317
+    printable characters (a 253-character prefix, '/', a 63-character name), no space, no
+    comma (lists of them are comma-separated)."""
+    return (
+        0 < len(name) <= 317
+        and name.isprintable()
+        and not any(c.isspace() or c == "," for c in name)
+    )
+
+
 def node_name(name: str, value: str) -> None:
     if not value:
         raise ValueError(f"{name}: must not be empty")

@@ -563,6 +563,12 @@ def test_cost_total_is_observed_hours_times_price_to_the_cent(
             ["--from", "2026-01-01", "--to", "2026-01-02", "--csv", "a", "--by", "team"],
             "--by 'team'",
         ),
+        # (the name went into the bill's header as it was: a second header line)
+        (
+            ["--from", "2026-01-01", "--to", "2026-01-02", "--csv", "a", "--by", "label:a\nb"],
+            "--by 'label:a\\nb': one of namespace, workload, pod, node, gpu-model or "
+            "label:NAME (NAME a label key)",
+        ),
     ],
 )
 def test_report_usage_errors(args: list[str], message: str) -> None:

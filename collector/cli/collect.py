@@ -285,7 +285,7 @@ def _kube(cfg: CollectConfig) -> KubeSettings | None:
     elif not os.environ.get("KUBERNETES_SERVICE_HOST"):
         return None
     for name in (*cfg.pod_labels, *cfg.namespace_labels):
-        if not name or len(name) > 317 or any(c.isspace() or c == "," for c in name):
+        if not check.label_key(name):
             raise UsageError(f"hami-usage collect: {name!r} is not a label key")
     return KubeSettings(
         kubeconfig=kubeconfig,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from ..aggregate.records import SINCE_VERSION
+from ..settings_check import label_key, shown
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -41,8 +42,9 @@ def parse_by(values: list[str]) -> list[str]:
     for v in values or ["namespace"]:
         for part in v.split(","):
             part = part.strip()
-            if not (part in DIMENSIONS or (part.startswith("label:") and len(part) > 6)):
-                raise ValueError(f"--by {part!r}: one of {', '.join(DIMENSIONS)} or label:NAME")
+            if not (part in DIMENSIONS or (part.startswith("label:") and label_key(part[6:]))):
+                what = f"one of {', '.join(DIMENSIONS)} or label:NAME (NAME a label key)"
+                raise ValueError(f"--by {shown(part)}: {what}")
             if column(part) in map(column, out):  # label:a-b and label:a_b too
                 raise ValueError(f"--by {part!r}: column {column(part)} given twice")
             out.append(part)
