@@ -465,6 +465,46 @@ def test_scenario_bills_the_exact_integral(tmp_path: Path, name: str) -> None:
     assert billed(records, lab.name) == truth
 
 
+def marker_last_from_the_start(lab: Lab, s: int) -> None:
+    """The trainer (2 GiB), and a probe that exited before the collector first read the file:
+    its exit marker is the last counted slot at the first scan. The trainer exits at 30."""
+    if s == 0:
+        c = lab.container("main", devices=1)
+        lab.spawn(c, 1, 4001)
+        lab.set_data(c, 1, 0, 2 * GiB)
+        c.w.add_process(2, 0)
+        c.w.exit(2)
+    if s == 30:
+        lab.ctrs["main"].w.exit(1)
+
+
+@pytest.mark.parametrize(
+    "script, missed_at, missed",
+    [
+        (marker_last_from_the_start, 0, 2 * GiB),
+        (restarted_at(25, trailing_exit_marker(None)), 25, 1 * GiB),
+    ],
+    ids=["first-read", "collector-restarted"],
+)
+def test_a_count_read_twice_with_an_exit_marker_last_is_the_writers(
+    tmp_path: Path, script: Script, missed_at: int, missed: int
+) -> None:
+    """A collector that first reads a file (it starts, restarts, or the container is new)
+    while a probe's exit marker is the last counted slot took that count for garbled at every
+    scan: no process started on its word, and the trainer was billed nothing for as long as
+    the marker stayed last (all 60 GiB*s here; with a restart at 25, 5 of 50). The same
+    count read again at the next scan is the writer's: only the first scan's second is
+    missing, the trainer's memory for one second."""
+    lab = Lab(tmp_path, "marker")
+    lab.run(SECONDS, script)
+    records = reference([msg(lab.name, e) for e in lab.events], SETTINGS)
+    truth, got = nonzero(lab.truth), billed(records, lab.name)
+    short = {k: truth[k] - got.get(k, 0) for k in truth if truth[k] != got.get(k, 0)}
+    [(key, ms)] = short.items()
+    assert (key[3], ms) == (T0_MS + missed_at // 60 * 60_000, missed * 1000)
+    assert not got.keys() - truth.keys()
+
+
 @pytest.mark.parametrize("name", ["two_exit_markers", "two_exit_markers_quick_probe"])
 def test_exit_markers_bill_the_same_without_reuse(tmp_path: Path, name: str) -> None:
     """The count last read as the writer's is the scanner's, not the parse memo's: a scanner

@@ -110,6 +110,8 @@ class Scanner:
         # Per file, the proc_num of its last snapshot that took it for the writer's: what a
         # count that ends in exit markers is read against (see `_within_contents`)
         self._counted: dict[FileKey, int] = {}
+        # Per file, a count in range its last snapshot took for garbled (see `_read`)
+        self._suspect: dict[FileKey, int] = {}
         self._snaps: dict[FileKey, Snapshot] = {}  # the snapshot each was diffed to
         self._states: dict[FileKey, ContainerState] = {}  # as last published
         self._skipped: set[tuple[str, str, str]] = set()
@@ -208,6 +210,8 @@ class Scanner:
             self._memos = {k: m for k, m in self._memos.items() if k in present}
         if len(self._counted) > len(present):
             self._counted = {k: n for k, n in self._counted.items() if k in present}
+        if self._suspect.keys() - present.keys():
+            self._suspect = {k: n for k, n in self._suspect.items() if k in present}
         self._skipped = skipped_now
         for key in sorted(self._files.keys() - present.keys()):
             gone = self._files[key]
@@ -302,25 +306,34 @@ class Scanner:
             memo = self._memos[key] = ParseMemo()
         fd, st, kept = opened
         counted = self._counted.get(key)
+        faults = self.writer_faults
         try:
-            if memo is None:
-                snap = snapshot_fd(fd, f.path, st=st, counted=counted)
-                snap = self.writer_faults.check(key, fd, snap, now_s)
-            else:
-                faults = self.writer_faults
-                snap = snapshot_fd(
-                    fd, f.path, memo=memo, st=st, ahead=faults.ahead(key), counted=counted
-                )
-                snap = faults.check(key, fd, snap, now_s, memo.past)
+            ahead = None if memo is None else faults.ahead(key)
+            snap = snapshot_fd(fd, f.path, memo=memo, st=st, ahead=ahead, counted=counted)
+            n = snap.proc_num
+            if 0 <= n <= MAX_PROCS and any(
+                a.kind == "proc_num_out_of_range" for a in snap.anomalies
+            ):
+                if self._suspect.get(key) == n != counted:
+                    # The same count, taken for garbled, as at the last scan: the writer's (a
+                    # garbled word does not stay; a collector that starts while a probe's exit
+                    # marker is the last counted slot reads one at every scan, and billed the
+                    # live processes past the marker nothing for as long as it stayed).
+                    if memo is not None:
+                        memo.last = None  # (what it holds was read with the other count)
+                    snap = snapshot_fd(fd, f.path, memo=memo, st=st, ahead=ahead, counted=n)
+                else:
+                    self._suspect[key] = n
+            snap = faults.check(key, fd, snap, now_s, None if memo is None else memo.past)
         finally:
             if not kept:
                 os.close(fd)
-        if (
-            snap.proc_num != counted
-            and 0 <= snap.proc_num <= MAX_PROCS
-            and not any(a.kind == "proc_num_out_of_range" for a in snap.anomalies)
+        if 0 <= snap.proc_num <= MAX_PROCS and not any(
+            a.kind == "proc_num_out_of_range" for a in snap.anomalies
         ):
-            self._counted[key] = snap.proc_num
+            self._suspect.pop(key, None)
+            if snap.proc_num != counted:
+                self._counted[key] = snap.proc_num
         return snap
 
     def _clock_step(self, step: Step) -> Event:
