@@ -378,18 +378,23 @@ def write_local_log(directory: Path, msgs: Iterable[Msg]) -> int:
     return n
 
 
-async def create_topic(bootstrap: str, topic: str, partitions: int = 3) -> None:
-    """Create `topic` and return once the broker's metadata shows every partition with a
-    leader. The broker answers CreateTopics before its metadata has the topic (at once on an
-    idle machine, seconds later under load), and a producer asking meanwhile is told that the
-    topic does not exist and holds its records back until it does."""
+async def create_topic(
+    bootstrap: str, topic: str, partitions: int = 3, configs: dict[str, str] | None = None
+) -> None:
+    """Create `topic` (with these topic `configs`) and return once the broker's metadata shows
+    every partition with a leader. The broker answers CreateTopics before its metadata has the
+    topic (at once on an idle machine, seconds later under load), and a producer asking
+    meanwhile is told that the topic does not exist and holds its records back until it
+    does."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import RequestTimedOutError, for_code
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        response = await admin.create_topics([NewTopic(topic, partitions, 1)])
+        response = await admin.create_topics(
+            [NewTopic(topic, partitions, 1, topic_configs=configs)]
+        )
         for name, code, *_ in response.topic_errors:
             # Timed out = not done within the request's timeout; it goes on, and is awaited below.
             assert code == 0 or for_code(code) is RequestTimedOutError, (name, for_code(code))

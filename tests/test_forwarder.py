@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import re
 import time
 from pathlib import Path
@@ -40,11 +41,13 @@ def forward(
     topic: str,
     compression: str = "gzip",
     batch_records: int = 1000,
+    configs: dict[str, str] | None = None,
 ) -> KafkaForwarder:
-    """A forwarder of `spool` sending until the spool is drained (at most 60 s)."""
+    """A forwarder of `spool` sending until the spool is drained (at most 60 s), to a topic
+    made with these `configs`."""
 
     async def run() -> KafkaForwarder:
-        await create_topic(bootstrap, topic, partitions=1)
+        await create_topic(bootstrap, topic, partitions=1, configs=configs)
         settings = ProducerSettings(
             bootstrap, topic=topic, compression=compression, batch_records=batch_records
         )
@@ -80,6 +83,30 @@ def test_an_event_too_large_for_kafka_is_skipped_and_counted(
     assert [r.getMessage() for r in caplog.records] == [
         f"spooled event at offset 1 is {len(huge)} bytes, more than a Kafka request may carry "
         "(max_request_size): skipped"
+    ]
+
+
+def test_an_event_the_broker_refuses_as_too_large_is_skipped_and_counted(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker refuses a batch over the topic's max.message.bytes (once compressed, which
+    the producer's own check, before compression, does not see): its batch was retried for
+    good, nothing after it was ever sent, and the spool filled. The batch's first record not
+    acknowledged is sent alone: three that fit only apart go out, the one that fits alone in
+    no request is skipped and counted, and what follows it goes out."""
+    piece = [random.randbytes(1500) for _ in range(3)]  # (not compressible)
+    huge = random.randbytes(8000)
+    values = [*piece, huge, b"last"]
+    spool = spool_of(tmp_path, values)
+    with caplog.at_level(logging.ERROR, logger="collector.transport.kafka"):
+        fwd = forward(spool, tmp_path, kafka_bootstrap, kafka_topic,
+                      configs={"max.message.bytes": "4000"})  # fmt: skip
+    assert on_topic(kafka_bootstrap, kafka_topic) == [*piece, b"last"]
+    assert (fwd.stats.sent, fwd.stats.too_large) == (4, 1)
+    assert LogReader(tmp_path).committed(FORWARDER_GROUP) == (5, "")
+    assert [r.getMessage() for r in caplog.records] == [
+        "spooled event at offset 3 (8000 bytes) is refused by the broker as too large "
+        "(MessageSizeTooLargeError): skipped"
     ]
 
 

@@ -24,6 +24,7 @@ from aiokafka.errors import (
     KafkaConnectionError,
     KafkaError,
     MessageSizeTooLargeError,
+    RecordListTooLargeError,
 )
 from tenacity import (
     AsyncRetrying,
@@ -278,6 +279,11 @@ def delivery_error(futures: Iterable[asyncio.Future[Any]]) -> BaseException | No
     return None
 
 
+# The broker's refusals of a batch as too large (a record over its or the topic's limit once
+# compressed, which the producer's own check, before compression, lets through)
+TOO_LARGE: Final = (MessageSizeTooLargeError, RecordListTooLargeError)
+
+
 class KafkaForwarder:
     def __init__(self, settings: ProducerSettings, spool: LocalLog, spool_dir: Path) -> None:
         self.settings = settings
@@ -301,6 +307,9 @@ class KafkaForwarder:
         # `send_retry_delay()`, as a failed connection does (a refusal at send time, a topic
         # ACL missing, was retried at every scan, with a new connection and an ERROR line).
         self.failed_batches = 0
+        # The spool offset of a record in a batch the broker refused as too large: it is sent
+        # again alone, and skipped if the broker refuses it so (see `forward_once`).
+        self._alone: int | None = None
         self._batch_lines = Repeats()
         self._connect_lines = Repeats()
         try:
@@ -393,7 +402,8 @@ class KafkaForwarder:
     async def forward_once(self) -> int:
         """Send what the spool holds beyond the committed offset; returns records acknowledged."""
         self.spool.flush()
-        records = self.reader.read(self._offset, self.settings.batch_records)
+        alone = self._alone == self._offset
+        records = self.reader.read(self._offset, 1 if alone else self.settings.batch_records)
         if not records:
             return 0
         producer = await self._ensure_producer()
@@ -436,7 +446,22 @@ class KafkaForwarder:
             self.stats.send_failures += 1
             self.failed_batches += 1
             refusal = classify(exc)
-            if isinstance(exc, InvalidTimestampError):
+            if isinstance(exc, TOO_LARGE) and alone:
+                # Alone and still too large for the broker (its message.max.bytes, the
+                # topic's max.message.bytes): no retry can send it. Before, it was retried
+                # with the rest of its batch for good: nothing after it was ever sent.
+                skipped += 1
+                acked = records[0].offset + 1
+                log.error(
+                    "spooled event at offset %d (%d bytes) is refused by the broker as too "
+                    "large (%s): skipped",
+                    records[0].offset,
+                    len(records[0].value),
+                    type(exc).__name__,
+                )
+            elif isinstance(exc, TOO_LARGE):
+                self._alone = acked  # its batch was: the first record not acknowledged alone
+            elif isinstance(exc, InvalidTimestampError):
                 self._times_refused()
             elif refusal is not None:
                 self._count_refused(refusal)
