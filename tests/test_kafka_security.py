@@ -262,6 +262,24 @@ def test_a_tls_client_at_a_sasl_listener_is_told_what_is_wrong(secure: SecureBro
     assert "closed the connection at a request (a listener that expects SASL_SSL?)" in line
 
 
+@pytest.mark.parametrize("how", ["plaintext-at-tls", "tls-at-plaintext"])
+def test_a_protocol_the_listener_does_not_speak_is_told_what_is_wrong(
+    secure: SecureBroker, kafka_bootstrap: str, how: str
+) -> None:
+    """PLAINTEXT (the default, so a protocol left out) at a TLS listener, or TLS at a plaintext
+    one: the listener closes or resets the connection, which read "no answer", as if no broker
+    were there. The line now names the likely cause."""
+    if how == "plaintext-at-tls":
+        proc = run("topics", "--kafka", secure.ssl)
+        line = one_line_refusal(proc, f"no Kafka broker at {secure.ssl} after 10 s")
+        assert f"{secure.ssl} closed the connection (a listener that expects TLS: " in line
+    else:
+        proc = run("topics", "--kafka", kafka_bootstrap, "--kafka-security-protocol", "SSL",
+                   "--kafka-ca-file", str(secure.certs / "ca.pem"))  # fmt: skip
+        line = one_line_refusal(proc, f"no Kafka broker at {kafka_bootstrap} after 10 s")
+        assert f"{kafka_bootstrap} reset the TLS handshake (a PLAINTEXT listener?)" in line
+
+
 def test_a_missing_acl_stops_the_aggregator_with_one_line(
     secure: SecureBroker, names: dict[str, str], tmp_path: Path
 ) -> None:

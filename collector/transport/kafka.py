@@ -180,7 +180,7 @@ async def probe(bootstrap: str, security: KafkaSecurity, timeout_ms: int = 5000)
             refusal = classify(exc)
             if refusal is not None:
                 raise KafkaRefused(server, refusal) from None
-            last = exc
+            last = _mismatch(server, security, exc) or exc
             continue
         try:
             await conn.send(ApiVersionRequest())
@@ -192,6 +192,20 @@ async def probe(bootstrap: str, security: KafkaSecurity, timeout_ms: int = 5000)
             conn.close()
         return
     raise KafkaConnectionError(f"no answer from {bootstrap}: {last!r}")
+
+
+def _mismatch(server: str, security: KafkaSecurity, exc: BaseException) -> Exception | None:
+    """The connection a listener of another protocol gives a client, said so: a TLS listener
+    closes on a PLAINTEXT client's first bytes, a PLAINTEXT listener resets a TLS handshake
+    (both read "no answer", as if no broker listened there)."""
+    if security.protocol == "PLAINTEXT" and isinstance(exc, KafkaError) and "closed" in str(exc):
+        hint = "a listener that expects TLS: kafka_security_protocol SSL or SASL_SSL?"
+        said: Exception = KafkaConnectionError(f"{server} closed the connection ({hint}): {exc}")
+        return said
+    if security.protocol != "PLAINTEXT" and isinstance(exc, ConnectionResetError):
+        said = KafkaConnectionError(f"{server} reset the TLS handshake (a PLAINTEXT listener?)")
+        return said
+    return None
 
 
 def _retriable(exc: BaseException) -> bool:
