@@ -54,6 +54,14 @@ CacheUuid = Annotated[str, msgspec.Meta(max_length=MAX_CACHE_UUID)]  # a cache f
 PathText = Annotated[str, msgspec.Meta(max_length=4 * MAX_PATH)]
 LabelKey = Annotated[str, msgspec.Meta(max_length=317)]
 LabelValue = Annotated[str, msgspec.Meta(max_length=63)]
+# The labels a pod's identity carries: the collector copies those of its pod_labels and
+# namespace_labels settings, at most this many keys in all. Unbounded, one PodIdentity of 2 400
+# labels, each key and value within its bound, made every record of the pod 5.4 MB as JSON.
+MAX_LABELS = 64
+Labels = Annotated[dict[LabelKey, LabelValue], msgspec.Meta(max_length=MAX_LABELS)]
+# The GPUs a node's NVML lists, MIG instances included (16 GPUs of 7 instances each, with their
+# parents, are 128). Unbounded, one sample of 40 000 rows cost the aggregator 16 s.
+MAX_NODE_DEVICES = 256
 # A container's devices: a cache file holds at most MAX_DEVICES (one LimitsChanged of 50 000
 # devices kept as many for the container's life, and each later sample cost 10 ms).
 Devices = Annotated[list["DeviceLimit"], msgspec.Meta(max_length=MAX_DEVICES)]
@@ -111,7 +119,7 @@ class Identity(msgspec.Struct, array_like=True, frozen=True, gc=False):
     pod: Name
     workload_kind: Name
     workload: Name
-    labels: dict[LabelKey, LabelValue] = {}
+    labels: Labels = {}
 
 
 class _Base(msgspec.Struct, array_like=True, frozen=True, gc=False, tag_field="kind"):
@@ -215,13 +223,13 @@ class DeviceUsageRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class DeviceInventory(_Base, tag=9, frozen=True):
     """The node's GPUs, at start and whenever they change."""
 
-    devices: list[GpuInfo]
+    devices: Annotated[list[GpuInfo], msgspec.Meta(max_length=MAX_NODE_DEVICES)]
 
 
 class NodeDeviceSample(_Base, tag=10, frozen=True):
     """Node-level device usage each interval, so unaccounted use can be billed to the node."""
 
-    rows: list[DeviceUsageRow]
+    rows: Annotated[list[DeviceUsageRow], msgspec.Meta(max_length=MAX_NODE_DEVICES)]
 
 
 class PodIdentity(_Base, tag=11, frozen=True):

@@ -35,7 +35,15 @@ from test_windows import Collector, row, state
 
 from collector.aggregate.damage import EXIT_CHECKPOINT, EXIT_DAMAGED, DamageReport
 from collector.aggregate.records import iso_utc
-from collector.events import DeviceLimit, Event
+from collector.events import (
+    MAX_LABELS,
+    MAX_NODE_DEVICES,
+    DeviceLimit,
+    DeviceUsageRow,
+    Event,
+    Identity,
+    PodIdentity,
+)
 from collector.replay import missing_history
 from collector.transport.locallog import LocalLog, LogReader
 
@@ -185,12 +193,20 @@ def test_names_longer_than_any_collector_sends_are_undecodable(
     # (and more devices than a cache file holds: each was kept for the container's life)
     many = hostile.limits(T0_MS, [DeviceLimit(i, f"GPU-{i}", 1, 1) for i in range(17)])
     many_devices = Msg(b"hostile", msgspec.msgpack.encode(many), T0_MS)
+    # (and more labels than a collector copies: 2 400 made every record of the pod 5.4 MB)
+    labels = {f"k{i}": "v" for i in range(MAX_LABELS + 1)}
+    who = Identity("pod-h", "ns", "p", "Pod", "p", labels)
+    many_labels = Msg(b"hostile", msgspec.msgpack.encode(PodIdentity(1, hostile.inc, 90,
+                      T0_MS, who)), T0_MS)  # fmt: skip
+    # (and more GPUs than a node lists: one sample of 40 000 cost 17 s)
+    gpus = [DeviceUsageRow(f"GPU-{i}", 1, 1, 0) for i in range(MAX_NODE_DEVICES + 1)]
+    many_gpus = Msg(b"hostile", msgspec.msgpack.encode(hostile.node(T0_MS, *gpus)), T0_MS)
     log = tmp_path / "log"
     write_log(log, [Msg(b"hostile", msgspec.msgpack.encode(huge), T0_MS), long_key, no_pod,
-                    many_devices, *stream])  # fmt: skip
+                    many_devices, many_labels, many_gpus, *stream])  # fmt: skip
     rc, err = aggregate(log, tmp_path / "a.csv", "--accept-damaged")
     assert rc == 0, err
-    assert " undecodable=4 unknown_schema=0;" in err
+    assert " undecodable=6 unknown_schema=0;" in err
     assert read_csv(tmp_path / "a.csv") == csv_lines(reference(stream))
 
 

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from kube_apiserver import ApiServer, flag, make_pod, owner_ref
 
-from collector.events import Identity, PodIdentity, decode
+from collector.events import MAX_LABELS, Identity, PodIdentity, decode
 from collector.layout.declarations import V12
 from collector.node.allocation import AllocatedDevice
 from collector.node.pods import Run
@@ -725,6 +725,20 @@ def test_a_kubeconfig_that_cannot_be_used_exits_2_with_one_line(
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(message.format(path=path)), proc.stderr
+
+
+def test_more_label_keys_than_an_identity_carries_exit_2_with_one_line(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    """An identity carries at most MAX_LABELS labels (the aggregator refuses more as
+    undecodable): a collector asked to copy more would have every pod's identity refused."""
+    kubeconfig = str(server.kubeconfig(tmp_path / "kubeconfig"))
+    keys = ",".join(f"k{i}" for i in range(MAX_LABELS + 1))
+    proc = collect(tmp_path, "--kubeconfig", kubeconfig, "--pod-labels", keys, "--max-scans", "1")
+    assert (proc.returncode, proc.stderr) == (2, (
+        f"hami-usage collect: pod_labels and namespace_labels name more than {MAX_LABELS} "
+        "label keys (a pod identity carries at most that many)\n"
+    ))  # fmt: skip
 
 
 def test_kubeconfig_from_the_environment_and_no_kubernetes(

@@ -62,7 +62,7 @@ def strategy(tp: Any) -> st.SearchStrategy[Any]:
     if origin is typing.Annotated:  # a string with bounds: within them, the upper one too
         base, meta = typing.get_args(tp)
         assert isinstance(meta, msgspec.Meta) and meta.max_length is not None
-        if typing.get_origin(base) is list:  # (a bounded list: a few items, as any list)
+        if typing.get_origin(base) in (list, dict):  # (bounded: a few items, as any other)
             return strategy(base)
         assert base is str
         least = meta.min_length or 0

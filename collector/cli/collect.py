@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from .. import settings_check as check
 from ..config import CollectConfig
+from ..events import MAX_LABELS
 from ..transport.locallog import LogOpenError
 from .args import Command, UsageError, say, switch
 from .kafka import KAFKA_FLAGS, kafka_flags, kafka_security, start_logging
@@ -287,6 +288,11 @@ def _kube(cfg: CollectConfig) -> KubeSettings | None:
     for name in (*cfg.pod_labels, *cfg.namespace_labels):
         if not check.label_key(name):
             raise UsageError(f"hami-usage collect: {name!r} is not a label key")
+    if len({*cfg.pod_labels, *cfg.namespace_labels}) > MAX_LABELS:
+        raise UsageError(
+            f"hami-usage collect: pod_labels and namespace_labels name more than {MAX_LABELS} "
+            "label keys (a pod identity carries at most that many)"
+        )
     return KubeSettings(
         kubeconfig=kubeconfig,
         pod_labels=tuple(cfg.pod_labels),
