@@ -521,6 +521,26 @@ def test_an_incarnations_successor_is_the_earliest_newer_one(ops: list[tuple[Any
             assert incs.successor(node, inc) == expected
 
 
+def test_devices_that_leave_the_table_with_nothing_to_bill_are_not_kept() -> None:
+    """Every table of new indices added its devices for the container's life (2 000 tables of
+    16: 32 001 devices, walked by every later event). One that leaves with nothing left goes;
+    one that still has a live key stays (its usage is still the container's) until a table
+    comes when it holds nothing."""
+    c = Collector()
+    agg = Aggregator(S)
+    agg.add("n1", c.appeared(0, devices=[dev(0)]))
+    agg.add("n1", c.sample(0, row(1, 100)))  # a live key on device 0
+    for k in range(50):
+        table = [dev(1 + 16 * k + i) for i in range(16)]
+        agg.add("n1", c.limits(1_000 + k, table))
+    # (events are applied as the windows they fall in close)
+    agg.add("n1", c.heartbeat(400_000, state(1, row(1, 100), devices=table)))
+    agg.advance()
+    devs = agg._tracks[("n1", c.inc, 1)].devs
+    assert sorted(devs) == [0, *range(1 + 16 * 49, 1 + 16 * 50)]
+    assert devs[0].uuid is None  # (its key was live when the last table came)
+
+
 def test_future_events_are_dropped_and_counted() -> None:
     c = Collector()
     agg = Aggregator(S)

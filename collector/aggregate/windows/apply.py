@@ -238,7 +238,7 @@ def retire_devices(tr: Track, horizon: int) -> None:
     old = [
         (u, i)
         for u, i in uuids.items()
-        if tr.expired.get((0, 0, i), horizon) < horizon and _holds_nothing(tr.devs[i])
+        if tr.expired.get((0, 0, i), horizon) < horizon and tr.devs[i].holds_nothing()
     ]
     if not old:
         return
@@ -248,10 +248,6 @@ def retire_devices(tr: Track, horizon: int) -> None:
             del uuids[u]
             del tr.devs[i]
             del tr.expired[(0, 0, i)]
-
-
-def _holds_nothing(d: Device) -> bool:
-    return not (d.nkeys or d.has_window() or d.cov or d.ivs or d.peak)
 
 
 def state(ig: Integrator, tr: Track, st: ContainerState, t: int, seq: int, off: int) -> None:
@@ -344,10 +340,15 @@ def set_limits(ig: Integrator, tr: Track, devices: list[DeviceLimit], t: int, of
         # A device leaves or joins the table: hand out the window so far under the old table
         # (a device joining mid-window was not observed before it joined).
         ig.output.emit(tr)
-    for i, d in devs.items():
+    for i, d in list(devs.items()):
         if i not in table:
             d.uuid = None
             d.limit = d.sm_limit = 0
+            if d.holds_nothing():
+                # Gone from the table with nothing left to bill: kept, every table of new
+                # indices added 16 devices for the container's life (2 000 LimitsChanged: 32 001,
+                # walked by every later event).
+                del devs[i]
     for i, x in table.items():
         dev = devs.get(i)
         if dev is None:

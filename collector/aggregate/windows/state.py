@@ -158,6 +158,19 @@ class Device:
     def has_window(self) -> bool:
         return bool(self.mem or self.nvml or self.smp or self.lim or self.smlim or self.samples)
 
+    def holds_nothing(self) -> bool:
+        """No live key and nothing of an open window: what a new `Device` would be, but its
+        table entry."""
+        return not (
+            self.nkeys
+            or self.has_window()
+            or self.cov
+            or self.ivs
+            or self.peak
+            or self.pres
+            or self.shares
+        )
+
     def reset_window(self) -> None:
         self.mem = self.nvml = self.smp = self.lim = self.smlim = self.peak = self.samples = 0
         self.cov = self.pres = self.ipres = self.imem = self.pmem = self.psm = 0
