@@ -27,7 +27,8 @@ What the closed windows got wrong, in key-milliseconds, computed when the late e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 from ...events import (
     ContainerAppeared,
@@ -45,10 +46,12 @@ from . import runs
 from .apply import forget, learn, node_rows, row_ok, set_limits
 from .integrate import Integrator
 from .settings import NEVER
-from .state import Entry, Key, Payload, Supersede, Track, unpacked
+from .state import Entry, Key, Supersede, Track, unpacked
 from .stats import AggregateStats
 
 __all__ = ["apply_late", "count_late"]
+
+_K = TypeVar("_K", bound=Hashable)
 
 
 def count_late(stats: AggregateStats) -> None:
@@ -143,30 +146,53 @@ def _end_late(
         ig.unexpire(tr, k, ts)
 
 
-def _touches(tr: Track, p: Payload, k: Key) -> bool:
-    """`p` samples or ends key `k` of `tr`."""
-    p = unpacked(p)
-    if isinstance(p, UsageSample):
-        return any(r.pid == k[0] and r.hostpid == k[1] and r.device == k[2] for r in p.rows)
-    if isinstance(p, ProcessExited):
-        return p.pid == k[0] and p.hostpid == k[1]
-    if isinstance(p, NodeDeviceSample):
+class _Held:
+    """For a late event at `ts`: the first event after it, before `limit`, that samples or ends
+    each key, from the track's history and this close's batch, each decoded once. (Asked for
+    every row of the event, a walk of the whole history per row made one late sample of 800
+    rows cost a close 10 s.)"""
+
+    def __init__(self, tr: Track, ts: int, limit: int, batch: list[Entry]) -> None:
+        self.limit = limit
+        self.all = limit  # a heartbeat states or ends every key; so do a gone and a newer inc
+        self.rows: dict[Key, int] = {}  # a sample's rows
+        self.procs: dict[tuple[int, int], int] = {}  # an exit ends every device of its process
+        self.devs: dict[int, int] = {}  # a node sample's devices (a node track's keys)
         uuids = tr.uuids
-        return uuids is not None and any(uuids.get(r.uuid) == k[2] for r in p.rows)
-    # a heartbeat states or ends every key; ContainerGone and a newer incarnation end them all
-    return isinstance(p, ContainerState | ContainerGone | Supersede)
+        for entries in (tr.hist, batch):
+            for e in entries:
+                t = e[1]
+                if not ts < t < limit:
+                    continue
+                p = unpacked(e[4])
+                if isinstance(p, UsageSample):
+                    for r in p.rows:
+                        _first(self.rows, (r.pid, r.hostpid, r.device), t)
+                elif isinstance(p, ProcessExited):
+                    _first(self.procs, (p.pid, p.hostpid), t)
+                elif isinstance(p, NodeDeviceSample):
+                    if uuids is not None:
+                        for d in p.rows:
+                            i = uuids.get(d.uuid)
+                            if i is not None:
+                                _first(self.devs, i, t)
+                elif isinstance(p, ContainerState | ContainerGone | Supersede) and t < self.all:
+                    self.all = t
+
+    def until(self, k: Key) -> int:
+        """When `k`'s late sample stops counting: its first event after, or the limit."""
+        limit = self.limit
+        return min(
+            self.all,
+            self.rows.get(k, limit),
+            self.procs.get(k[:2], limit),
+            self.devs.get(k[2], limit),
+        )
 
 
-def _held_until(tr: Track, k: Key, ts: int, limit: int, batch: list[Entry]) -> int:
-    """The first event of `k` after `ts` in the track's history or this close's batch, or
-    `limit` when there is none before it."""
-    end = limit
-    for entries in (tr.hist, batch):
-        for e in entries:
-            t = e[1]
-            if ts < t < end and _touches(tr, e[4], k):
-                end = t
-    return end
+def _first(firsts: dict[_K, int], k: _K, t: int) -> None:
+    if t < firsts.get(k, NEVER):
+        firsts[k] = t
 
 
 def _late_rows(
@@ -185,6 +211,7 @@ def _late_rows(
     limit = min(ts + ig.gap, closed)
     gone = -NEVER if tr.gone_ts is None else tr.gone_ts
     ended = tr.ended
+    held = _Held(tr, ts, limit, batch) if ts < limit else None
     for r in rows:
         d = tr.devs.get(r.device)
         if d is None or d.uuid is None:
@@ -194,8 +221,8 @@ def _late_rows(
             ig.stats.refused_values += 1
             continue
         k = (r.pid, r.hostpid, r.device)
-        if ts < limit:
-            ig.stats.late_ms_dropped += _held_until(tr, k, ts, limit, batch) - ts
+        if held is not None:
+            ig.stats.late_ms_dropped += held.until(k) - ts
         v = tr.keys.get(k)
         if v is not None and v[3] >= ts:
             continue  # a newer sample is in effect
