@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_windows import Collector, dev, row
 
 from collector.aggregate.records import BillingRecord
 from collector.aggregate.windows import Aggregator, WindowSettings
@@ -162,6 +163,23 @@ def test_limits_are_billed_only_while_the_container_runs(tmp_path: Path) -> None
     assert {g.pod_uid: g.memory_limit_bytes for g in step.gauges()} == {DEP: GiB}
     assert out + step.flush() == records
     assert {g.pod_uid: g.memory_limit_bytes for g in agg.gauges()} == {DEP: GiB}
+
+
+def test_the_gauges_of_a_node_that_falls_silent_stop_once_its_values_lapse() -> None:
+    """Presence in the gauges was judged against the source's newest event, which a source
+    whose only node stopped sending never moves: its containers' gauges, their limits among
+    them, stayed at their last values for good, while the records billed them no more. The
+    record time the source's silence has come to (`Aggregator.idle`) moves it on."""
+    c = Collector()
+    agg = Aggregator(WindowSettings())
+    events = [c.appeared(T0, devices=[dev(0)]), c.sample(T0 + 1_000, row(1, 100))]
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i, record_ts_ms=e.ts)
+    assert [(g.memory_limit_bytes, g.memory_used_bytes) for g in agg.gauges()] == [(1000, 100)]
+    agg.idle(T0 + 1_000 + WindowSettings().max_gap_ms - 1)
+    assert [(g.memory_limit_bytes, g.memory_used_bytes) for g in agg.gauges()] == [(1000, 100)]
+    agg.idle(T0 + 1_000 + WindowSettings().max_gap_ms)
+    assert agg.gauges() == []
 
 
 def limits_billed(events: list[Event]) -> dict[str, Decimal]:

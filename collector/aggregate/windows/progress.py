@@ -84,7 +84,9 @@ def _silence(n: _Node, end: int, rec: int) -> None:
 
 
 class _Source:
-    __slots__ = ("floor", "newest", "next_idle", "next_offset", "nodes", "rec", "recorded")
+    __slots__ = (
+        "floor", "newest", "next_idle", "next_offset", "nodes", "rec", "recorded", "silent_at"
+    )  # fmt: skip
 
     def __init__(self, next_offset: int) -> None:
         self.next_offset = next_offset
@@ -93,6 +95,7 @@ class _Source:
         self.newest = -NEVER  # newest event ts of any node
         self.floor = -NEVER  # progress kept before a node joined (see the module docstring)
         self.next_idle = NEVER  # the earliest record time at which an active node turns idle
+        self.silent_at = -NEVER  # the record time its silence has come to (`Progress.idle`)
         self.nodes: dict[str, _Node] = {}
 
     def top(self, idle_extra: int, behind: int) -> int:
@@ -205,6 +208,8 @@ class Progress:
         """Record time `now_ms` has come (`aggregate/silence.py`): nodes of a source silent for
         longer than the idle time turn idle, exactly as at the source's next record."""
         for s in self._src.values():
+            if now_ms > s.silent_at:
+                s.silent_at = now_ms
             if now_ms >= s.next_idle:
                 self._turn_idle(s, now_ms, s.next_offset)
 
@@ -249,8 +254,11 @@ class Progress:
         return max(tops) if tops else None
 
     def now(self, source: int) -> int:
-        """The largest event ts of `source`."""
-        return self._src[source].newest
+        """The largest event ts of `source`, or the record time its silence has come to, if
+        later: what the OTLP gauges take for now (a source whose only node stopped sending kept
+        that node's gauges, its limits among them, at their last values for good)."""
+        s = self._src[source]
+        return s.newest if s.newest > s.silent_at else s.silent_at
 
     def held_back(self, need: dict[int, int]) -> None:
         """Lower each source's restart offset in `need` out of every silence of a node that
