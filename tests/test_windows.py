@@ -466,7 +466,8 @@ def test_duplicate_far_behind_the_newest_sequence_is_dropped() -> None:
 def test_a_seq_exactly_the_window_behind_and_never_seen_is_admitted() -> None:
     """More than DEDUP_WINDOW behind is a redelivery; exactly DEDUP_WINDOW behind is not."""
     incs = Incarnations()
-    assert incs.admit("n1", 1, 20_000, 0)
+    assert incs.admit("n1", 1, 19_999, 0)
+    assert incs.admit("n1", 1, 20_000, 0)  # (the first seq is the newest once its next is seen)
     assert incs.admit("n1", 1, 20_000 - DEDUP_WINDOW, 0)
     assert not incs.admit("n1", 1, 20_000 - DEDUP_WINDOW, 0)  # now seen
     assert not incs.admit("n1", 1, 20_000 - DEDUP_WINDOW - 1, 0)
@@ -489,6 +490,13 @@ def test_a_lone_seq_far_ahead_moves_no_window() -> None:
     assert incs.admit("n1", 1, far, 0)
     assert incs.admit("n1", 1, far + 1, 0)  # the window moves
     assert not incs.admit("n1", 1, far - DEDUP_WINDOW - 1, 0)  # far behind it now
+    # The first seq seen of an incarnation (a new one, or one a restart reads again) too: it
+    # took the window with it, and every later event was a duplicate.
+    assert incs.admit("n1", 2, 10_000_000, 0)
+    for seq in range(100):
+        assert incs.admit("n1", 2, seq, 0)
+    assert not incs.admit("n1", 2, 10_000_000, 0)
+    assert not incs.admit("n1", 2, 50, 0)
 
 
 _INC_OPS = st.lists(

@@ -7,7 +7,8 @@ and the set of seqs from `highest - DEDUP_WINDOW` (10 000) on. An event seen bef
 counted in `stats.duplicates`; so is an event more than `DEDUP_WINDOW` sequence numbers behind the
 newest of its incarnation (that far behind it is a redelivery, not reordering). An event more than
 `DEDUP_WINDOW` ahead of the newest is the newest only once the seq before it is seen too (a
-collector that dropped that many events sends on from there): one alone is admitted and
+collector that dropped that many events sends on from there), and so is the first seq seen of an
+incarnation (a new one, or one a restart or replay reads again): one alone is admitted and
 remembered but moves nothing (a single corrupt seq of 10 000 000 made every later event of its
 incarnation a "duplicate": half a stream's records lost). The state of an
 incarnation is forgotten once a newer one exists, it has no containers left, and its last event
@@ -110,13 +111,14 @@ class Incarnations:
             if len(incs) > 1:
                 self.several.add(node)
         seqs = incarnation.seqs
-        if seq > incarnation.hwm:
-            hwm = incarnation.hwm
-            if hwm >= 0 and seq - hwm > DEDUP_WINDOW and seq - 1 not in seqs:
-                if seq in seqs:
-                    return False  # the same lone seq again
-            else:
+        hwm = incarnation.hwm
+        if seq > hwm:
+            if seq in seqs:
+                return False  # a lone seq (below) again
+            if hwm >= 0 and seq - hwm <= DEDUP_WINDOW or seq - 1 in seqs:
                 incarnation.hwm = seq
+            # else a lone seq: far ahead of the newest, or the first of its incarnation seen,
+            # whose predecessor is not seen yet; admitted and remembered, it moves nothing
             seqs.add(seq)
             if len(seqs) > 2 * DEDUP_WINDOW:
                 incarnation.prune()
