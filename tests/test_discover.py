@@ -16,6 +16,7 @@ from collector.node import discover
 from collector.node.discover import (
     MANY_FILES,
     MAX_FILES,
+    MIN_REGION,
     NOT_UTF8,
     SYMLINK,
     CacheFile,
@@ -102,6 +103,20 @@ def test_a_folder_of_many_cache_files_has_only_those_changed_last_read(tmp_path:
     assert sorted(k[0] for k in s._files) == sorted([str(p) for p in by_ctime] + [str(neighbour)])
     assert not [e for e in s.scan(now_ms=2000) if isinstance(e, LayoutAnomaly)]
     assert s.discovery.open_count == 2 + MAX_FILES + 1  # two folders, the files read
+
+
+def test_the_real_cache_file_is_not_pushed_out_by_newer_small_ones(tmp_path: Path) -> None:
+    """The tenant's own files, and times: 16 empty files made after the container's real one
+    (whose ctime a live writer barely moves) pushed it out of the 16 read, and its container
+    was gone. A file the size of a cache file goes first, then one read before."""
+    d = tmp_path / f"{POD}_main"
+    real = touch_cache(d, "real.cache", bytes(MIN_REGION))
+    s = Scanner(tmp_path, heartbeat_s=3600, inc=1)
+    s.scan(now_ms=1000)
+    junk = [touch_cache(d, f"junk{i:02}.cache") for i in range(MAX_FILES)]
+    s.scan(now_ms=2000)
+    tracked = sorted(k[0] for k in s._files)
+    assert tracked == sorted([str(real)] + [str(p) for p in junk[1:]])  # the oldest junk out
 
 
 def test_replaced_file_is_a_new_file(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from ..layout.declarations import LAYOUTS
 from ..layout.snapshot import shown_path
 from ..settings_check import utf8
 
@@ -70,7 +71,12 @@ TIMESTAMP_WINDOW_NS = 2_000_000_000
 # announced and restated every scan, and took every kept descriptor), the ones changed last
 # are read and the folder is reported.
 MAX_FILES = 16
-MANY_FILES = f"more than {MAX_FILES} cache files: the {MAX_FILES} changed last are read"
+MANY_FILES = (
+    f"more than {MAX_FILES} cache files: {MAX_FILES} are read (those the size of a cache file "
+    "first, then those read before, then those changed last)"
+)
+# The smallest file any layout needs: what an empty or short file is not.
+MIN_REGION = min(layout.region_size for layout in LAYOUTS.values())
 
 
 @dataclass(frozen=True)
@@ -352,7 +358,9 @@ class Discovery:
             return d
         except OSError as exc:
             return self._unlisted(d, path, exc)
-        regular: list[tuple[int, str, CacheFile]] = []
+        regular: list[tuple[bool, bool, int, str, CacheFile]] = []
+        prev = self._dirs.get(name)
+        before = {f.path for f in prev.files} if prev is not None else set()
         try:
             found: list[str] = []
             with os.scandir(fd) as it:
@@ -378,15 +386,20 @@ class Discovery:
                     d.skipped.append(Skipped(file_path, NOT_REGULAR))
                 else:
                     f = CacheFile(pod_uid, container, file_path, st.st_ino, st.st_dev)
-                    regular.append((st.st_ctime_ns, file_name, f))
+                    big = st.st_size >= MIN_REGION
+                    regular.append((big, file_path in before, st.st_ctime_ns, file_name, f))
         except OSError as exc:
             return self._unlisted(d, path, exc)
         finally:
             os.close(fd)
         if len(regular) > MAX_FILES:
+            # The tenant's own files, and times: empty files changed later than the container's
+            # real one (a live file's ctime barely moves) pushed it out, and its container was
+            # gone. A file the size of a cache file, and one read before, go first.
             d.skipped.append(Skipped(path, MANY_FILES, "large_directory"))
-            regular = sorted(sorted(regular, reverse=True)[:MAX_FILES], key=lambda r: r[1])
-        d.files = [f for _, _, f in regular]
+            first = sorted(regular, key=lambda r: r[:4], reverse=True)[:MAX_FILES]
+            regular = sorted(first, key=lambda r: r[3])
+        d.files = [r[4] for r in regular]
         return d
 
     def _unlisted(self, d: _Dir, path: str, exc: OSError) -> _Dir:
