@@ -110,6 +110,8 @@ class OtlpReceiver:
         self.dribble_s = 0.0
         self.dribble_bytes = 40
         self.max_body: int | None = None
+        # Answer 200 with OTLP's partial_success: (rejected points, message) per request.
+        self.partial: tuple[int, str] | None = None
         self.attempts = 0
         receiver = self
 
@@ -153,7 +155,11 @@ class OtlpReceiver:
                 if receiver.dribble_s:
                     self._answer(200, b"\n" * receiver.dribble_bytes, receiver.dribble_s)
                     return
-                self._answer(200, ExportMetricsServiceResponse().SerializeToString())
+                answer = ExportMetricsServiceResponse()
+                if receiver.partial is not None:
+                    answer.partial_success.rejected_data_points = receiver.partial[0]
+                    answer.partial_success.error_message = receiver.partial[1]
+                self._answer(200, answer.SerializeToString())
 
             def _answer(self, status: int, body: bytes, dribble_s: float = 0.0) -> None:
                 try:

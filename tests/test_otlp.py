@@ -688,3 +688,31 @@ def test_pushes_are_paced_by_their_cost(receiver: OtlpReceiver) -> None:
     got = receiver.wait_for(3)
     assert len(got) == 3
     assert_counters(got[2], [make_record(1, "trainer", 1.0), make_record(2, "trainer", 3.0)])
+
+
+def test_a_partial_success_is_counted_and_logged_once_a_push(
+    receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend that takes a request but rejects some of its points answers 200 with OTLP's
+    partial_success, which the SDK never reads: such a push counted as a successful export and
+    the points were gone without a word. They are counted in `rejected_points` (the summary
+    line) and each push logs one warning with the backend's reasons, escaped to one line."""
+    monkeypatch.setattr(otlp, "MAX_POINTS_PER_REQUEST", 20)
+    receiver.partial = (3, "out of order\nsample")
+    exporter = OtlpExporter(receiver.endpoint, timeout_s=5)
+    exporter.record_window([make_record(1, f"c{i}", 1.0) for i in range(30)])
+    assert exporter.flush() is True
+    requests_sent = receiver.attempts
+    assert requests_sent > 1
+    assert exporter.rejected_points == 3 * requests_sent
+    warnings = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert warnings == [
+        f"the OTLP backend at {exporter.endpoint} rejected {3 * requests_sent} points of this "
+        f"push ({3 * requests_sent} so far; not retried, as OTLP asks): out of order\\nsample"
+    ]
+    receiver.partial = (0, "")  # an empty partial_success is a full success
+    assert exporter.flush() is True
+    assert exporter.rejected_points == 3 * requests_sent
+    receiver.partial = None
+    exporter.shutdown()
+    assert f"rejected_points={3 * requests_sent}" in exporter.summary()

@@ -437,3 +437,65 @@ def test_a_replica_taking_over_stays_alive_while_its_checkpoint_is_unstable(
     waited, oldest = asyncio.run(scenario())
     assert waited >= 12
     assert oldest < 2, f"a's input loop stood still {oldest:.1f} s during the takeover"
+
+
+async def _stable_with(bootstrap: str, group: str, members: int, timeout_s: float = 60) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            _, _, state, _, _, got = (await admin.describe_consumer_groups([group]))[0].groups[0]
+            if state == "Stable" and len(got) == members:
+                return
+            assert time.monotonic() < deadline, f"group {group}: {state}, {len(got)} members"
+            await asyncio.sleep(0.5)
+    finally:
+        await admin.close()
+
+
+def test_a_replica_left_with_no_partition_sends_no_gauges_of_the_lost_one(
+    kafka_bootstrap: str, kafka_topic: str, tmp_path: Path
+) -> None:
+    """Replica "z" aggregates the one partition alone and pushes its containers' gauges; "a"
+    joins and takes it (the range assignor gives it to the member that sorts first). z, left
+    holding nothing, pushes nothing until it stops; its last push, at shutdown, sent the lost
+    partition's gauges again, at their values of minutes before, beside the new owner's."""
+    from otlp_receiver import OtlpReceiver
+
+    from collector.aggregate.otlp import GAUGES
+
+    msgs = build(tmp_path / "nodes", recent_t0(300))
+    group = f"{kafka_topic}.g"
+
+    def gauge_points(received: Any) -> int:
+        metrics = received.metrics()
+        return sum(len(metrics[g.name].points) for g in GAUGES if g.name in metrics)
+
+    async def scenario(receiver: OtlpReceiver) -> None:
+        await create_topic(kafka_bootstrap, kafka_topic, 1)
+        await create_topic(kafka_bootstrap, f"{kafka_topic}.billing", 1)
+        await produce(kafka_bootstrap, kafka_topic, msgs)
+        stop_z, stop_a = asyncio.Event(), asyncio.Event()
+        settings = _replica(kafka_bootstrap, kafka_topic, tmp_path, "z")
+        settings.otlp = receiver.endpoint
+        z = asyncio.create_task(run_kafka(settings, stop_z))
+        deadline = time.monotonic() + 60
+        while not any(gauge_points(r) for r in receiver.received):
+            assert time.monotonic() < deadline and not z.done(), "z pushed no gauges"
+            await asyncio.sleep(0.2)
+        a_settings = _replica(kafka_bootstrap, kafka_topic, tmp_path, "a")
+        a = asyncio.create_task(run_kafka(a_settings, stop_a))
+        await _stable_with(kafka_bootstrap, group, 2)
+        stop_z.set()
+        await z
+        stop_a.set()
+        await a
+
+    with OtlpReceiver() as receiver:
+        asyncio.run(scenario(receiver))
+        last = receiver.received[-1]
+    assert read_csv(tmp_path / "z.csv"), "z billed nothing before a joined"
+    assert gauge_points(last) == 0

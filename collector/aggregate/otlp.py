@@ -71,10 +71,14 @@ from typing import Any, Final, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
+from google.protobuf.message import DecodeError
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, set_value
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.sdk.metrics import (
     Counter,
     Histogram,
@@ -94,6 +98,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
 from ..events import MAX_CACHE_UUID, MAX_NAME
+from ..settings_check import one_line
 from .records import BillingRecord, Gauge
 
 __all__ = [
@@ -287,9 +292,18 @@ class _RedirectRefused(requests.RequestException):
     """An OTLP endpoint answered with a redirect."""
 
 
-class _NoRedirects(requests.Session):
-    """The SDK counts any 3xx answer as delivered, though it follows none (nothing arrived): a
-    redirect is refused here, so the push fails, is logged with where it pointed, and counts."""
+class _Session(requests.Session):
+    """What the SDK does not look at in the answers.
+
+    A redirect: the SDK counts any 3xx answer as delivered, though it follows none (nothing
+    arrived); it is refused here, so the push fails, is logged with where it pointed, and
+    counts. A partial success: a 200 whose body says the backend rejected some of the request's
+    points (OTLP's `partial_success`: not to be retried, and the SDK reads no answer's body);
+    `on_partial` gets the count and the backend's message."""
+
+    def __init__(self, on_partial: Callable[[int, str], None]) -> None:
+        super().__init__()
+        self._on_partial = on_partial
 
     def request(self, *args: Any, **kwargs: Any) -> Any:
         response = super().request(*args, **kwargs)
@@ -299,6 +313,14 @@ class _NoRedirects(requests.Session):
                 f"{response.status_code} {response.reason}: a redirect to "
                 f"{response.headers.get('location')!r}, not followed (set the endpoint to it)"
             )
+        if 200 <= response.status_code < 300 and response.content:
+            try:
+                answer = ExportMetricsServiceResponse.FromString(response.content)
+            except DecodeError:
+                return response  # not an OTLP answer: nothing in it to count
+            partial = answer.partial_success
+            if partial.rejected_data_points or partial.error_message:
+                self._on_partial(partial.rejected_data_points, partial.error_message)
         return response
 
 
@@ -434,13 +456,15 @@ class OtlpExporter:
         self.duplicate_records = 0
         self.rejected_values = 0
         self.rejected_series = 0  # records with an attribute over MAX_ATTRIBUTE_CHARS
+        self.rejected_points = 0  # points the backend answered it rejected (partial success)
+        self._partial_now: list[tuple[int, str]] = []  # this push's partial answers
 
         self._exporter = OTLPMetricExporter(
             endpoint=self.endpoint,
             headers=dict(headers or {}),
             timeout=self.timeout_s,
             compression=_COMPRESSION[compression],
-            session=_NoRedirects(),
+            session=_Session(self._partial),
             preferred_temporality=_CUMULATIVE,
             max_export_batch_size=MAX_POINTS_PER_REQUEST,
         )
@@ -595,6 +619,7 @@ class OtlpExporter:
             return False
         started = time.monotonic()
         with self._flush_lock:
+            self._partial_now = []
             try:
                 ok = self._reader.flush()
             except Exception:
@@ -604,6 +629,7 @@ class OtlpExporter:
                 self.successful_exports += 1
             else:
                 self.failed_exports += 1
+            partial = self._partial_now
             took = time.monotonic() - started
             self._next_push_at = started + max(self._push_interval_s, took / self._push_share)
             if self._reader.overflow and not self._overflow_logged:
@@ -612,6 +638,17 @@ class OtlpExporter:
                     "more than max_series attribute sets on a metric: new series are merged "
                     "into otel.metric.overflow=true; raise max_series or restart the aggregator"
                 )
+        if partial:
+            rejected = sum(n for n, _ in partial)
+            self.rejected_points += rejected
+            _log.warning(
+                "the OTLP backend at %s rejected %d points of this push (%d so far; not "
+                "retried, as OTLP asks): %s",
+                self.endpoint,
+                rejected,
+                self.rejected_points,
+                "; ".join(sorted({m for _, m in partial if m})) or "no reason given",
+            )
         if not ok:
             _log.warning(
                 "OTLP metric export to %s failed after %.1fs (%d failures so far)",
@@ -620,6 +657,11 @@ class OtlpExporter:
                 self.failed_exports,
             )
         return ok
+
+    def _partial(self, rejected: int, message: str) -> None:
+        """A request of the running flush was answered with a partial success (the SDK's
+        thread, within `_flush_lock`)."""
+        self._partial_now.append((rejected, one_line(message[:500])))
 
     def push(self, *, paced: bool = True) -> bool:
         """Start a flush on a daemon thread of its own and return at once: the caller (the
@@ -683,6 +725,7 @@ class OtlpExporter:
             "duplicate_records": self.duplicate_records,
             "rejected_values": self.rejected_values,
             "rejected_series": self.rejected_series,
+            "rejected_points": self.rejected_points,
             "overflowed": int(self.overflowed),
             "last_push_unfinished": int(self.last_push_unfinished),
         }

@@ -309,8 +309,13 @@ class Outputs:
             return
         if records:
             self.otlp.record_window(records)
-        self.otlp.set_gauges([g for agg in aggregators for g in agg.gauges()])
+        self.gauges(aggregators)
         self.otlp.push()
+
+    def gauges(self, aggregators: Iterable[Aggregator]) -> None:
+        """The gauges the next push sends: those of `aggregators`, the partitions held now."""
+        if self.otlp is not None:
+            self.otlp.set_gauges([g for agg in aggregators for g in agg.gauges()])
 
     def checkpoint(self, agg: Aggregator) -> Checkpoint:
         """The commit metadata of `agg`: its emitted end and window size, this replica's
@@ -720,6 +725,10 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         ends.pop(tp, None)
         silence.forget(tp)
         last_polled.pop(tp, None)
+        if outputs is not None:
+            # Its gauges are its next owner's to send now: a replica left holding nothing
+            # pushes no more until shutdown, whose push sent them again, long stale.
+            outputs.gauges(aggs.values())
 
     class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
