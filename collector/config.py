@@ -226,6 +226,8 @@ def _from_toml(path: Path, section: str) -> dict[str, Any]:
         raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {path}: {exc}") from None
+    except ValueError:  # (the one ValueError tomllib lets out: int() refusing the digits)
+        raise ConfigError(f"config {path}: an integer of more than 4300 digits") from None
     except RecursionError:  # (tomllib recurses once per nested array or inline table)
         raise ConfigError(f"config {path}: values nested too deeply") from None
     table = data.get(section, {})

@@ -159,12 +159,16 @@ def _anomalies(log_dir: Path) -> list[tuple[str, str, str]]:
     return [(k, p, d) for (k, p), d in sorted(seen.items())]
 
 
+# What the demo leaves in its folder: the billing records, the bill and its HTML report.
+BILLING_CSV, BILL_CSV, REPORT_HTML = OUTPUTS = ("billing.csv", "bill.csv", "report.html")
+
+
 async def run_demo(s: DemoSettings) -> DemoResult:
     s.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hami-usage-demo-"))
     root, log_dir = work / "containers", work / "events"
     root.mkdir()
-    csv_path = s.out / "billing.csv"
+    csv_path = s.out / BILLING_CSV
     csv_path.unlink(missing_ok=True)
     suffix = f"demo-{uuidlib.uuid4().hex[:8]}"
     topic = f"hami.usage.{suffix}" if s.kafka else None
@@ -220,9 +224,9 @@ def _bill(csv_path: Path, rows: list[dict[str, str]], out: Path) -> str:
     last = max(iso_ms(r["window_end"]) for r in rows)
     args = ReportArgs(first, last, ["namespace", "pod"], Prices.parse(DEMO_PRICES), [csv_path], [])
     bill, summary = make_report(args)
-    (out / "bill.csv").write_text(to_csv(bill))
-    (out / "report.html").write_text(render(bill, summary, "hami-usage demo: GPU chargeback"))
-    return table_text(bill) + f"HTML report: {out / 'report.html'}\n"
+    (out / BILL_CSV).write_text(to_csv(bill))
+    (out / REPORT_HTML).write_text(render(bill, summary, "hami-usage demo: GPU chargeback"))
+    return table_text(bill) + f"HTML report: {out / REPORT_HTML}\n"
 
 
 async def _create_topics(bootstrap: str, security: KafkaSecurity, usage: str, billing: str) -> None:

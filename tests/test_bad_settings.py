@@ -140,34 +140,33 @@ def test_an_empty_node_is_refused_wherever_it_is_set(
     assert os.listdir(paths["log"]) == []
 
 
-def test_collect_metrics_port_in_use(paths: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["collect", "aggregate"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "no.such.host.invalid"])
+def test_a_listener_that_cannot_start_is_one_line_and_makes_no_folder(
+    paths: dict[str, str], tmp_path: Path, command: str, host: str
+) -> None:
+    """A port in use, or a bind address that does not resolve: one line, exit 2, and (tried
+    before any folder is made) the new --log or --parquet folder is not left behind, as it
+    was, holding the local log's first segment and lock."""
+    flag = {"collect": "--metrics", "aggregate": "--health"}[command]
+    made = tmp_path / "made"
+    args = {
+        "collect": ["--root", paths["root"], "--log", str(made), "--max-scans", "1", "--no-nvml"],
+        "aggregate": ["--log", paths["log"], "--parquet", str(made), "--drain"],
+    }[command]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = run(
-            "collect",
-            "--root",
-            paths["root"],
-            "--log",
-            paths["log"],
-            "--max-scans",
-            "1",
-            "--no-nvml",
-            "--metrics-port",
-            str(port),
-            "--metrics-bind-address",
-            "127.0.0.1",
-            cwd=tmp_path,
-        )
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    # After the collector's own log lines (timestamped), exactly one line that says why.
-    last = proc.stderr.splitlines()[-1]
-    assert last == (
-        f"hami-usage collect: --metrics-port {port} on 127.0.0.1: Address already in use"
-    ), proc.stderr
-    assert [ln for ln in proc.stderr.splitlines() if not ln[:4].isdigit()] == [last]
+        proc = run(command, *args, f"{flag}-port", str(port), f"{flag}-bind-address", host,
+                   cwd=tmp_path)  # fmt: skip
+    said = f"hami-usage {command}: {flag}-port {port} on {host}: "
+    if host == "127.0.0.1":
+        assert_one_line(proc, said + "Address already in use")
+    else:  # (the resolver's words: "Name or service not known", or a failure to ask)
+        assert "Traceback" not in proc.stderr and proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(said) and proc.stderr.count("\n") == 1, proc.stderr
+    assert not made.exists()
 
 
 AGGREGATE = [
@@ -298,9 +297,24 @@ def test_a_window_of_whole_milliseconds_is_accepted(
     paths: dict[str, str], tmp_path: Path, window: str
 ) -> None:
     """16.1 * 1000 is 16100.000000000002 as a float: the test is on the decimal written."""
-    proc = run("aggregate", "--log", paths["log"], "--drain", "--window", window, cwd=tmp_path)
+    proc = run("aggregate", "--log", paths["log"], "--drain", "--window", window,
+               "--csv", str(tmp_path / "o.csv"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "milliseconds" not in proc.stderr
+
+
+def test_a_local_log_aggregate_with_no_output_is_refused(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    """Its checkpoint moved on past every window closed, and the records went nowhere: a later
+    run of the group with --csv wrote none of them (56 records gone in the report)."""
+    proc = run("aggregate", "--log", paths["log"], "--drain", cwd=tmp_path)
+    assert_one_line(
+        proc,
+        "hami-usage aggregate: with a local log, give --csv FILE, --jsonl FILE or --parquet DIR "
+        "(there is no billing topic)",
+    )
+    assert os.listdir(paths["log"]) == []  # no checkpoint
 
 
 def test_the_whole_milliseconds_rule_is_the_settings_own() -> None:
@@ -489,6 +503,12 @@ def test_a_config_file_that_is_not_utf8(tmp_path: Path, command: str) -> None:
     }.get(command, [])
     proc = run(command, "--config", str(config), *extra, cwd=tmp_path)
     assert_one_line(proc, f"hami-usage {command}: config {config}: not UTF-8 text (byte 11)")
+    # An integer past Python's 4 300 digits: a ValueError's traceback, exit 1.
+    config.write_text(f"[{command}]\nx = {'1' * 5000}\n")
+    proc = run(command, "--config", str(config), *extra, cwd=tmp_path)
+    assert_one_line(
+        proc, f"hami-usage {command}: config {config}: an integer of more than 4300 digits"
+    )
 
 
 def _not_a_settings_file(tmp_path: Path, kind: str) -> tuple[str, str]:
@@ -614,6 +634,25 @@ def test_schema_refuses_a_folder_where_a_schema_goes(tmp_path: Path, name: str) 
     (tmp_path / "out" / name).mkdir(parents=True)
     proc = run("schema", "--out", "out", cwd=tmp_path)
     assert_one_line(proc, f"hami-usage schema: --out out/{name}: is a directory")
+    assert os.listdir(tmp_path / "out") == [name]
+
+
+@pytest.mark.parametrize("name", ["billing.csv", "bill.csv", "report.html"])
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_demo_refuses_what_it_cannot_write_in_its_folder(
+    tmp_path: Path, name: str, kind: str
+) -> None:
+    """A folder there was an IsADirectoryError traceback (for the bill and the report, after
+    the whole run); a FIFO there held the demo for good, waiting for a reader."""
+    path = tmp_path / "out" / name
+    path.parent.mkdir()
+    if kind == "folder":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    proc = run("demo", "--duration", "5", "--out", "out", cwd=tmp_path)
+    why = "is a directory" if kind == "folder" else "not a regular file"
+    assert_one_line(proc, f"hami-usage demo: --out out/{name}: {why}")
     assert os.listdir(tmp_path / "out") == [name]
 
 
@@ -983,3 +1022,26 @@ def test_a_path_with_a_newline_is_still_one_line(tmp_path: Path, command: str) -
         "report": f"hami-usage report: {shown}: no such file",
     }[command]
     assert (proc.returncode, proc.stderr) == (2 if command == "aggregate" else 1, expected + "\n")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["report", *REPORT_SPAN, "--parquet", "{dir}", "--parquet", "{log}"],
+        ["report", *REPORT_SPAN, "--csv", "{file}", "--kafka", "127.0.0.1:9", "--kafka=h:1"],
+        ["aggregate", "--log", "{log}", "--csv", "a.csv", "--csv", "b.csv"],
+        ["collect", "--root", "{root}", "--log", "{log}", "--log", "{dir}"],
+        ["replay", *REPORT_SPAN, "--log", "{log}", "--jsonl", "a", "--jsonl", "b"],
+    ],
+    ids=lambda v: v[0],
+)
+def test_an_option_of_one_value_given_twice_is_refused(
+    paths: dict[str, str], tmp_path: Path, args: list[str]
+) -> None:
+    """argparse keeps the last value: `report --parquet A --parquet B` billed B alone (an empty
+    bill when B held nothing), and a second output or broker replaced the first unsaid."""
+    proc = run(*(a.format(**paths) for a in args), cwd=tmp_path)
+    option = next(a for a in reversed(args) if a.startswith("--")).partition("=")[0]
+    assert_one_line(
+        proc, f"hami-usage {args[0]}: argument {option}: given more than once (it takes one value)"
+    )

@@ -725,6 +725,21 @@ def test_a_kubeconfig_that_cannot_be_used_exits_2_with_one_line(
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(message.format(path=path)), proc.stderr
+    # Checked before the local log's folder is made (it was left behind).
+    assert not (tmp_path / "log").exists()
+
+
+def test_a_log_folder_that_cannot_be_made_once_the_kubeconfig_loaded_is_one_line(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    """The folder is made last, after the kubeconfig has loaded: the client opened for it is
+    closed, so nothing but the one line is said."""
+    kubeconfig = str(server.kubeconfig(tmp_path / "kubeconfig"))
+    (tmp_path / "log").write_text("a file where the folder goes")
+    proc = collect(tmp_path, "--kubeconfig", kubeconfig, "--max-scans", "1")
+    assert (proc.returncode, proc.stderr) == (
+        2, f"hami-usage collect: --log {tmp_path / 'log'}: not a directory\n"
+    )  # fmt: skip
 
 
 def test_more_label_keys_than_an_identity_carries_exit_2_with_one_line(
@@ -739,6 +754,18 @@ def test_more_label_keys_than_an_identity_carries_exit_2_with_one_line(
         f"hami-usage collect: pod_labels and namespace_labels name more than {MAX_LABELS} "
         "label keys (a pod identity carries at most that many)\n"
     ))  # fmt: skip
+    assert not (tmp_path / "log").exists()  # (it was made before the keys were checked)
+
+
+@pytest.mark.parametrize("watch", [[], ["--no-kubernetes"]])
+def test_a_name_that_is_no_label_key_is_refused_with_the_watch_off_too(
+    tmp_path: Path, watch: list[str]
+) -> None:
+    """Outside a cluster (no kubeconfig: the watch is off by itself) or with the watch turned
+    off, a wrong key was accepted without a word, where in a cluster it is refused."""
+    proc = collect(tmp_path, *watch, "--max-scans", "1", HAMI_USAGE_POD_LABELS="a b")
+    assert (proc.returncode, proc.stderr) == (2, "hami-usage collect: 'a b' is not a label key\n")
+    assert not (tmp_path / "log").exists()
 
 
 def test_kubeconfig_from_the_environment_and_no_kubernetes(

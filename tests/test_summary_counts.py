@@ -246,7 +246,7 @@ def test_the_summary_line_says_what_the_otlp_exporter_counted(tmp_path: Path) ->
     with OtlpReceiver() as receiver:
         receiver.fail_status = 400
         proc = hami("aggregate", "--log", str(tmp_path / "log"), *WINDOW_FLAGS, "--drain",
-                    "--otlp", receiver.endpoint)  # fmt: skip
+                    "--otlp", receiver.endpoint, "--csv", str(tmp_path / "o.csv"))  # fmt: skip
         attempts = receiver.attempts
     assert proc.returncode == 0, proc.stderr
     last = [ln for ln in proc.stderr.splitlines() if "aggregate: " in ln][-1]

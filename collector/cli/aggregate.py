@@ -97,7 +97,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from ..aggregate.service import AggregateSettings, OutputError, aggregate
-    from ..transport.http import ListenError
+    from ..transport.http import ListenError, try_listen
 
     cfg = load_settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
     one_source("aggregate", args, cfg.kafka)
@@ -113,6 +113,18 @@ def _run(args: argparse.Namespace) -> int:
                 ". _ - (not . or - first)"
             )
         _checkpoint_writable(Path(cfg.log))
+        # Its checkpoint moves on past every window closed: records written nowhere were
+        # gone for the group (OTLP's counters are not the records).
+        if not (cfg.csv or cfg.jsonl or cfg.parquet):
+            raise UsageError(
+                "hami-usage aggregate: with a local log, give --csv FILE, --jsonl FILE or "
+                "--parquet DIR (there is no billing topic)"
+            )
+    if cfg.health_port is not None:
+        try:
+            try_listen(cfg.health_bind_address, cfg.health_port)
+        except ListenError as exc:
+            raise UsageError(f"hami-usage aggregate: --health-port {exc}") from None
     check_outputs("aggregate", cfg)
     settings = AggregateSettings(
         window=window_settings(cfg),

@@ -40,6 +40,8 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.register("action", None, _Once)
+        self.register("action", "store", _Once)
 
     def error(self, message: str) -> NoReturn:
         head, _, rest = message.partition(": ")
@@ -54,6 +56,26 @@ class Parser(argparse.ArgumentParser):
             # `--drain=S3cret`: a value given to an on/off flag is named by argparse.
             message = _IGNORED.sub("ignored explicit argument (value not shown)", message)
         raise UsageError(f"{self.prog}: {message}")
+
+
+class _Once(argparse._StoreAction):
+    """An option of one value refuses a second: argparse keeps the last one given, so
+    `report --parquet A --parquet B` billed B alone, and `--kafka`, `--prices` or an output
+    given twice lost all but the last without a word. (Options that take several say so:
+    `--csv` of `report`, `--by`.)"""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given: set[str] = namespace.__dict__.setdefault("_given_once", set())
+        if self.dest in given:
+            raise argparse.ArgumentError(self, "given more than once (it takes one value)")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
 
 
 # What is shown of an unrecognised argument: a long option's name, never anything else (a value

@@ -192,7 +192,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..node.podwatch import KubeConfigError
     from ..node.service import CollectSettings, collect
     from ..node.writer_faults import WriterFaultSettings
-    from ..transport.http import ListenError
+    from ..transport.http import ListenError, try_listen
     from ..transport.kafka import ProducerSettings
 
     cfg = load_settings(args, CollectConfig, "collect", COLLECT_FLAGS)
@@ -217,7 +217,12 @@ def _run(args: argparse.Namespace) -> int:
         # The collector never writes below the root: its spool there would sit among the
         # containers' folders (HAMi's, and read as one of them).
         check.outside_folder([("--log", cfg.log)], "--root", cfg.root)
-        check.writable_dir("--log", cfg.log)
+    if cfg.metrics_port is not None:
+        try:
+            try_listen(cfg.metrics_bind_address, cfg.metrics_port)
+        except ListenError as exc:
+            raise UsageError(f"hami-usage collect: --metrics-port {exc}") from None
+    kube = _kube(cfg)
     kafka = None
     if cfg.kafka and usage is not None:
         kafka = ProducerSettings(
@@ -251,15 +256,22 @@ def _run(args: argparse.Namespace) -> int:
             cfg.dir_max_entries, cfg.dir_relist, cfg.listing_budget, cfg.open_files
         ),
         writer_faults=WriterFaultSettings(cfg.stuck_seqlock_after),
-        kube=_kube(cfg),
+        kube=kube,
     )
+
+    def make_log_dir() -> None:  # the last check: the kubeconfig loads before it
+        with machine("collect"):
+            check.writable_dir("--log", cfg.log)
+
+    if kube is None:
+        make_log_dir()
     start_logging(logging.INFO)
     if cfg.kubernetes and settings.kube is None:
         logging.getLogger("collector.node.podwatch").info(
             "not in a cluster and no --kubeconfig or $KUBECONFIG: pod names are off"
         )
     try:
-        asyncio.run(collect(settings))
+        asyncio.run(collect(settings, None if kube is None else make_log_dir))
     except KubeConfigError as exc:
         raise UsageError(f"hami-usage collect: {exc}") from None
     except LogOpenError as exc:
@@ -276,6 +288,15 @@ def _kube(cfg: CollectConfig) -> KubeSettings | None:
 
     from ..node.podwatch import KubeSettings
 
+    # (checked with the watch off too: a name that can be no label's is a wrong setting)
+    for name in (*cfg.pod_labels, *cfg.namespace_labels):
+        if not check.label_key(name):
+            raise UsageError(f"hami-usage collect: {name!r} is not a label key")
+    if len({*cfg.pod_labels, *cfg.namespace_labels}) > MAX_LABELS:
+        raise UsageError(
+            f"hami-usage collect: pod_labels and namespace_labels name more than {MAX_LABELS} "
+            "label keys (a pod identity carries at most that many)"
+        )
     if not cfg.kubernetes:
         return None
     kubeconfig = cfg.kubeconfig or os.environ.get("KUBECONFIG") or None
@@ -285,14 +306,6 @@ def _kube(cfg: CollectConfig) -> KubeSettings | None:
             raise UsageError(f"hami-usage collect: --kubeconfig {kubeconfig}: no such file")
     elif not os.environ.get("KUBERNETES_SERVICE_HOST"):
         return None
-    for name in (*cfg.pod_labels, *cfg.namespace_labels):
-        if not check.label_key(name):
-            raise UsageError(f"hami-usage collect: {name!r} is not a label key")
-    if len({*cfg.pod_labels, *cfg.namespace_labels}) > MAX_LABELS:
-        raise UsageError(
-            f"hami-usage collect: pod_labels and namespace_labels name more than {MAX_LABELS} "
-            "label keys (a pod identity carries at most that many)"
-        )
     return KubeSettings(
         kubeconfig=kubeconfig,
         pod_labels=tuple(cfg.pod_labels),

@@ -30,7 +30,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..demo import DemoSettings, format_report, run_demo
+    from ..demo import OUTPUTS, DemoSettings, format_report, run_demo
 
     if args.duration is not None and args.duration < 5:
         raise UsageError("hami-usage demo: --duration must be at least 5 seconds")
@@ -41,6 +41,8 @@ def _run(args: argparse.Namespace) -> int:
     security = kafka_security(cfg, "demo")
     with machine("demo"):
         check.writable_dir("--out", args.out)
+        for name in OUTPUTS:  # (a folder or a FIFO there failed or hung after the run)
+            check.writable_file("--out", str(Path(args.out) / name))
     settings = DemoSettings(
         duration_s=args.duration or DemoSettings.duration_s,
         out=Path(args.out),

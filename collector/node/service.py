@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -383,9 +384,20 @@ class Collector:
         log.error("pod watch stopped: pod names are no longer updated", exc_info=task.exception())
 
 
-async def collect(settings: CollectSettings) -> Collector:
-    """Raises KubeConfigError before anything starts when the pod watch cannot be configured."""
+async def collect(
+    settings: CollectSettings, prepare: Callable[[], None] | None = None
+) -> Collector:
+    """Raises KubeConfigError before anything starts when the pod watch cannot be configured.
+    `prepare`: what the caller makes on disk, run once the configuration has loaded (a refused
+    run leaves nothing made behind); what it raises is raised."""
     api = await open_api(settings.kube) if settings.kube is not None else None
+    try:
+        if prepare is not None:
+            prepare()
+    except BaseException:
+        if api is not None:
+            await api.close()
+        raise
     collector = Collector(settings, kube_api=api)
     tune_gc()  # start-up is over: the Kubernetes and Kafka clients are imported
     loop = asyncio.get_running_loop()

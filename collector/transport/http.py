@@ -28,6 +28,36 @@ class ListenError(Exception):
     """A listener could not start: "<port> on <host>: <why>", for a one-line error."""
 
 
+def _listen_error(host: str, port: int, exc: OSError) -> ListenError:
+    if isinstance(exc, socket.gaierror):
+        # A resolver error's errno is an EAI_* code, negative: os.strerror() has no text for
+        # it ("Unknown error -2"), the exception's own is the resolver's.
+        why = exc.strerror or str(exc)
+    else:
+        # asyncio words its own strerror; the errno's text is the short one.
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+    return ListenError(f"{port} on {host}: {why}")
+
+
+def try_listen(host: str, port: int) -> None:
+    """Bind `host`:`port` as `HttpServer.start` will (every address the name resolves to,
+    SO_REUSEADDR), and let go at once: a command checks its listener so, before it makes any
+    folder, so that a refused run leaves none behind. Raises ListenError. Port 0 (any free
+    one) is not tried."""
+    if port == 0:
+        return
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in found:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+    except OSError as exc:
+        raise _listen_error(host, port, exc) from None
+
+
 class HttpServer:
     def __init__(self, host: str, port: int, routes: Mapping[str, Route]) -> None:
         self.host = host
@@ -41,14 +71,7 @@ class HttpServer:
         try:
             self._server = await asyncio.start_server(self._handle, self.host, self.port)
         except OSError as exc:
-            if isinstance(exc, socket.gaierror):
-                # A resolver error's errno is an EAI_* code, negative: os.strerror() has no
-                # text for it ("Unknown error -2"), the exception's own is the resolver's.
-                why = exc.strerror or str(exc)
-            else:
-                # asyncio words its own strerror; the errno's text is the short one.
-                why = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise ListenError(f"{self.port} on {self.host}: {why}") from None
+            raise _listen_error(self.host, self.port, exc) from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
