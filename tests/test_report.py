@@ -487,6 +487,9 @@ def test_prices_exact_before_glob_before_default_and_adjustments() -> None:
         ('[models]\n"x" = "cheap"', "not a number"),
         ("[namespaces]\na = -2", "below -1"),
         ("default = [", "prices"),
+        # matched no record's labels: an adjustment never applied, without a word
+        ('[labels]\n"" = {a = 0.1}', "labels.'' is not a label key"),
+        ('[labels."team x"]\na = 0.1', "labels.'team x' is not a label key"),
     ],
 )
 def test_bad_prices_are_one_clear_line(text: str, message: str) -> None:
@@ -967,6 +970,10 @@ KIND_NOT_KNOWN = "kind 'bogus' is not one of node, gpu, idle, container"
         ("allocated_gpu_seconds", "1e999999999", OUT_OF_RANGE),
         ("allocated_gpu_seconds", "-60.000", OUT_OF_RANGE),  # a negative bill, exit 0
         ("kind", "bogus", KIND_NOT_KNOWN),  # dropped from every total, exit 0
+        # each billed as if it were right, exit 0
+        ("overcommitted", "maybe", "overcommitted 'maybe' is not true or false"),
+        ("window_end", "2026-01-01T00:00:00Z", "window_end is not after window_start"),
+        ("record_id", "", "record_id is empty"),
     ],
 )
 def test_a_csv_value_no_record_can_hold_is_one_line_and_exit_1(
@@ -1089,6 +1096,25 @@ def _damaged_parquet(pipeline: Path, tmp_path: Path, column: str, values: pa.Arr
     table = table.set_column(table.schema.get_field_index(column), column, column_values)
     pq.write_table(table, part)
     return part
+
+
+def test_an_empty_record_id_in_parquet_read_beside_a_file_is_one_line_and_exit_1(
+    pipeline: Path, tmp_path: Path
+) -> None:
+    """With another input the Parquet ids are read (a record in both is billed once): every
+    record of no id was taken for one record, the rest dropped, exit 0."""
+    part = _damaged_parquet(pipeline, tmp_path, "record_id", pa.array(["x", ""]))
+    other = tmp_path / "other.csv"
+    with other.open("w", newline="") as f:
+        start = iso_ms(RANGE[1])  # (in the range: the report keeps the ids of what it bills)
+        records = [
+            msgspec.structs.replace(r, window_start_ms=start, window_end_ms=start + 60_000)
+            for r in _window("G")
+        ]
+        csv.writer(f, lineterminator="\n").writerows([csv_header(), *map(csv_row, records)])
+    proc = hami("report", *RANGE, "--parquet", tmp_path / "pq", "--csv", other)
+    expected = f"hami-usage report: {part}: not a billing record: record_id is empty\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected)
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,12 @@ def checked(record: BillingRecord) -> BillingRecord:
         ok = False
     if not ok:
         raise ValueError(f"a number outside [0, {RECORD_MAX}] (seconds in milli-units)")
+    # What no aggregator writes, and a bill would count: a window that ends where or before it
+    # starts, a record no id names (one per id is billed).
+    if record.window_end_ms <= record.window_start_ms:
+        raise ValueError("window_end is not after window_start")
+    if not record.record_id:
+        raise ValueError("record_id is empty")
     return record
 
 
@@ -101,6 +107,8 @@ def _csv_record(row: dict[str | None, Any]) -> BillingRecord:
         elif name == "labels":
             obj[name] = msgspec.json.decode(text or "{}")
         elif name == "overcommitted":
+            if text not in ("true", "false"):  # (what the sink writes; "maybe" read as false)
+                raise ValueError(f"overcommitted {csvtext.text(text)[:20]!r} is not true or false")
             obj[name] = text == "true"
         elif name in CSV_FIELDS:
             obj[name] = csvtext.text(text)
@@ -273,6 +281,9 @@ def _parquet_check(batch: pa.RecordBatch) -> str | None:
         return f"a version not one of 1 to {RECORD_VERSION}"
     if "kind" in names and _any(pc.invert(pc.is_in(batch.column("kind"), pa.array(KINDS)))):
         return f"a kind not one of {', '.join(KINDS)}"
+    # (window_end_ms is not read: the report places a record by its window start alone)
+    if "record_id" in names and _any(pc.equal(pc.utf8_length(batch.column("record_id")), 0)):
+        return "record_id is empty"
     numbers = [n for n in names if n in _DECIMALS or (n in _INT and n != "version")]
     for name in numbers:
         if name in _DECIMALS and _any(pc.invert(pc.is_finite(batch.column(name)))):

@@ -115,6 +115,8 @@ class Prices:
         }
         labels = {}
         for name, values in _table(where, data, "labels").items():
+            if not check.label_key(name):  # (it matched no record: an adjustment never applied)
+                raise PriceError(f"{where}: labels.{name!r} is not a label key")
             if not isinstance(values, dict):
                 raise PriceError(f"{where}: labels.{name} must be a table of value = adjustment")
             labels[name] = {
