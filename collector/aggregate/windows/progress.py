@@ -210,8 +210,26 @@ class Progress:
         for s in self._src.values():
             if now_ms > s.silent_at:
                 s.silent_at = now_ms
-            if now_ms >= s.next_idle:
-                self._turn_idle(s, now_ms, s.next_offset)
+            at = now_ms - self._lead(s)
+            if at >= s.next_idle:
+                self._turn_idle(s, at, s.next_offset)
+
+    def _lead(self, s: _Source) -> int:
+        """How far the source's newest record time is ahead of the earliest newest record time
+        of its nodes active as of it. `now_ms` is that newest record time moved on by the
+        silence, but each node's next record comes no sooner than its own last one moved on by
+        the silence: when the newest came from a node whose clock runs ahead, the next record
+        (of a node behind it) carries an earlier time than `now_ms`, and the nodes that time
+        leaves active stay so at it. Taking the lead away keeps the silence's closes to those
+        that record makes (a replay's), as the module docstring says. A node idle before the
+        silence, or one not seen yet, is not bounded so."""
+        if s.rec == -NEVER:
+            return 0
+        low = s.rec
+        for n in s.nodes.values():
+            if n.rec < low and n.rec + self._idle > s.rec:
+                low = n.rec
+        return s.rec - low
 
     def _turn_idle(self, s: _Source, rec: int, offset: int) -> None:
         """Nodes silent for `idle_ms` of record time `rec` turn idle; `offset`: the first
