@@ -133,9 +133,9 @@ def aggregate(log: Path, csv: Path, *extra: str) -> tuple[int, str]:
     return proc.returncode, proc.stderr
 
 
-def replay(log: Path, csv: Path, *extra: str) -> tuple[int, str]:
+def replay(log: Path, csv: Path, *extra: str, to: str = TO) -> tuple[int, str]:
     proc = hami(
-        "replay", "--log", log, "--from", FROM, "--to", TO, *WINDOW_FLAGS, "--csv", csv, *extra
+        "replay", "--log", log, "--from", FROM, "--to", to, *WINDOW_FLAGS, "--csv", csv, *extra
     )
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc.returncode, proc.stderr
@@ -243,10 +243,10 @@ def test_replay_counts_only_the_damage_it_reads(tmp_path: Path, stream: list[Msg
     intact, log = tmp_path / "intact", tmp_path / "log"
     write_log(intact, stream)
     flip_newest(log, write_log(log, stream))
-    first_minute = ["--to", "2026-03-02T10:01:00Z"]
-    rc, err = replay(intact, tmp_path / "i.csv", *first_minute)
+    first_minute = "2026-03-02T10:01:00Z"
+    rc, err = replay(intact, tmp_path / "i.csv", to=first_minute)
     assert (rc, "damage: none" in err) == (0, True), err
-    rc, err = replay(log, tmp_path / "r.csv", *first_minute)
+    rc, err = replay(log, tmp_path / "r.csv", to=first_minute)
     assert (rc, "damage: none" in err) == (0, True), err
     assert read_csv(tmp_path / "r.csv") == read_csv(tmp_path / "i.csv") != []
 

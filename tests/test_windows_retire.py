@@ -238,3 +238,49 @@ def test_a_retired_uuid_that_comes_back_is_billed_as_before(
     # cap at 570 s + 90 s to their return at 3600 s); a retired uuid starts afresh
     assert (kept[True][1]["unobserved_ms"], pruned[True][1]["unobserved_ms"]) == (5_880_000, 0)
     assert {k for k, v in kept[True][1].items() if v != pruned[True][1][k]} == {"unobserved_ms"}
+
+
+def test_a_redelivered_forgotten_incarnation_wakes_no_idle_node() -> None:
+    """n1's first collector sends at 0 s and goes quiet; n0 moves the partition to 650 s (n1 is
+    idle: 600 s); n1's first event is sent again (a restart resending its spool's tail), then
+    its new collector starts at 700 s. An aggregator that closed after every record had
+    forgotten n1's first incarnation: the redelivery was late, woke n1 with its old time and
+    held the partition there, so the new collector's events were in time; one that closed at
+    the end only took it for a duplicate, and they were late. The records depended on how
+    often `advance()` ran; the old event stays out of the progress now."""
+    from collector.events import (
+        ContainerAppeared,
+        DeviceLimit,
+        Heartbeat,
+        ProcessStarted,
+        UsageRow,
+        UsageSample,
+    )
+
+    settings = WindowSettings(2_000, 30_000, 8_000, 30_000, "max", 600_000)
+    s = 1000
+    limits = [DeviceLimit(0, "GPU-x", 8 << 30, 100)]
+    usage = UsageRow(1, 1001, 0, 1 << 30, 0, 0, 1 << 30, 1 << 30, 50)
+    stream: list[tuple[str, Event, int]] = [
+        ("n1", Heartbeat(1, 1, 0, 0, 1000, 0, 1, []), 0),
+        ("n0", Heartbeat(1, 9, 0, 650 * s, 1000, 0, 1, []), 650 * s),
+        ("n1", Heartbeat(1, 1, 0, 0, 1000, 0, 1, []), 660 * s),  # sent again
+        ("n0", Heartbeat(1, 9, 1, 800 * s, 1000, 0, 1, []), 800 * s),
+        ("n1", ContainerAppeared(1, 2, 0, 700 * s, 1, "pod-a", "main", "/p", "v1.2", limits),
+         800 * s),
+        ("n1", ProcessStarted(1, 2, 1, 700 * s, 1, 1, 1001), 800 * s),
+        ("n1", UsageSample(1, 2, 2, 700 * s, 1, [usage]), 800 * s),
+        ("n0", Heartbeat(1, 9, 2, 900 * s, 1000, 0, 1, []), 900 * s),
+    ]  # fmt: skip
+
+    def run(every_record: bool) -> tuple[list[BillingRecord], int]:
+        agg = Aggregator(settings)
+        out: list[BillingRecord] = []
+        for offset, (node, event, record_ts) in enumerate(stream):
+            agg.add(node, event, offset=offset, record_ts_ms=record_ts)
+            if every_record:
+                out += agg.advance()
+        return out + agg.advance() + agg.flush(), agg.stats.late_events
+
+    assert run(True)[0] == run(False)[0]
+    assert [r for r in run(True)[0] if r.node == "n1"] == []  # late, as with no close before

@@ -84,6 +84,10 @@ class Aggregator:
             settings.lateness_ms,
         )
         self._arrival = 0
+        # How far behind the closed end state is kept (`prune`): an event older is past every
+        # value's cap and every incarnation's de-duplication.
+        self._horizon = settings.max_gap_ms + settings.lateness_ms + settings.window_ms
+        self._newest = -NEVER  # the newest ts of an event in the progress (`progress.newest`)
         # A pod's identity outlives its last restatement as long as a container's name does.
         self._identities = Identities(
             self._w, self._lateness, RETAIN_GAPS * self._gap + self._lateness + self._w
@@ -222,6 +226,19 @@ class Aggregator:
             return None
         if node in incs.several and self._guard.overlaps(node, inc, ts):
             return None
+        # An event older than what any close keeps state for (an incarnation whose last event
+        # is before the closed end less max_gap + lateness + window is forgotten: a redelivery
+        # of it is no duplicate once that has happened) stays out of the progress: it woke its
+        # idle node with that old time and held the partition at its floor when the closes had
+        # forgotten it, and was a duplicate when they had not (the records depended on how
+        # often `advance()` ran). It is late, as it was. (The newest event bounds what can
+        # close: only an event that far behind it asks.)
+        if ts < self._newest - self._lateness - self._horizon:
+            end = self._closable()
+            if end is not None and ts < end - self._horizon:
+                return end
+        if ts > self._newest:
+            self._newest = ts
         # Late means before the end of the windows the input read so far lets close, closed
         # yet or not: when `advance()` ran (each batch live, every few hundred records in a
         # replay) must not decide it, or a replay would bill a late event as the live run did
@@ -369,7 +386,7 @@ class Aggregator:
         gap = self._gap
         retain = self._ig.retain
         # What is older than this is forgotten: incarnations, a node's GPUs gone since.
-        horizon = closed - gap - self._lateness - self._w
+        horizon = closed - self._horizon
         live_incs: set[tuple[str, int]] = set()
         drop: list[tuple[str, int, int]] = []
         for key, tr in self._tracks.items():
