@@ -969,8 +969,8 @@ def test_a_refused_aggregate_makes_no_output_folder(
     paths: dict[str, str], tmp_path: Path, flags: list[str], message: str
 ) -> None:
     """The outputs were checked (and --parquet made) before the other settings."""
-    proc = run("aggregate", "--log", paths["log"], "--drain", "--parquet", "pq", *flags,
-               cwd=tmp_path)  # fmt: skip
+    log = [] if "--log" in flags else ["--log", paths["log"]]
+    proc = run("aggregate", *log, "--drain", "--parquet", "pq", *flags, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.splitlines()) == 1
     assert not (tmp_path / "pq").exists() and os.listdir(paths["log"]) == []
