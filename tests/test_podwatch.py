@@ -835,7 +835,7 @@ async def test_container_statuses_and_phase_reach_the_view(
             Run("init", "terminated", "", "2026-11-30T10:00:04Z"),
             Run("proxy", "running", "2026-11-30T10:00:03Z"),
             Run("eval", "terminated", "2026-11-30T10:00:05Z", "2026-11-30T10:00:13Z"),
-            Run("log", "waiting", "", "", "2026-11-30T10:00:09Z", 1),
+            Run("log", "waiting", "", "", "2026-11-30T10:00:09Z", 1, last_terminated=True),
         )
 
 
@@ -857,7 +857,7 @@ async def test_a_null_time_in_a_container_status_is_unknown_not_an_error(
     uid = server.put_pod(evicted)["metadata"]["uid"]
     async with watching(server, tmp_path) as watch:
         await asyncio.wait_for(watch.synced.wait(), 30)
-        assert watch.view[uid].runs == (Run("main", "terminated"),)
+        assert watch.view[uid].runs == (Run("main", "terminated", last_terminated=True),)
         later = server.put_pod(make_pod("ml", "later", NODE, ["main"]))["metadata"]["uid"]
         await until(lambda: later in watch.view)
         assert watch.stats.errors == 0

@@ -337,6 +337,43 @@ def test_a_missed_restart_that_ends_terminated_bills_each_run(tmp_path: Path) ->
     assert limit == {JOB: 4 * GiB * 13}
 
 
+def test_a_run_the_runtime_lost_ends_when_the_watch_says_so(tmp_path: Path) -> None:
+    """A reboot: the kubelet writes `waiting` (ContainerCreating) with `lastState.terminated`
+    ContainerStatusUnknown, its times null. That lost run was taken for still running (its
+    null time read as no last run): its limits billed through the 31 s it was away. It ends at
+    the scan that reads it (+9), and the next run starts at its startedAt (+40)."""
+    import msgspec
+
+    from collector.node.pods import ContainerStatus
+
+    lost = msgspec.json.decode(
+        b'{"name": "main", "restartCount": 1, "state": {"waiting": {"reason": '
+        b'"ContainerCreating"}}, "lastState": {"terminated": {"reason": '
+        b'"ContainerStatusUnknown", "exitCode": 137, "startedAt": null, "finishedAt": null}}}',
+        type=ContainerStatus,
+    ).run()
+    w = new_cache_file(tmp_path / "root", JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    current: dict[str, PodView] = {}
+    presence = PresenceStage(lambda: current)
+    scanner = Scanner(tmp_path / "root", heartbeat_s=10, inc=1, presence=presence)
+    events: list[Event] = []
+    for s in range(60):
+        view = job("running") if s < 9 else job("running", 40, restarts=1)
+        if 9 <= s < 40:
+            view = PodView(view.identity, view.containers, None, None, runs=(lost,))
+        current = {JOB: view}
+        events += scanner.scan(now_ms=T0 + s * 1000)
+    w.close()
+    runs = [(e.running, e.at - T0, e.reason) for e in events if isinstance(e, ContainerRun)]
+    assert runs == [(True, 0, "started"), (False, 9_000, "finished"), (True, 40_000, "started")]
+    agg = Aggregator(WindowSettings())
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i)
+    # the minute scanned (after it the last run's limit is held to max_gap)
+    minute = [r for r in agg.flush() if r.kind == "container" and r.window_start_ms == T0]
+    assert sum(r.memory_limit_byte_seconds for r in minute) == 4 * GiB * (9 + 20)
+
+
 def test_a_restart_at_every_cut_point_bills_the_same_runs(tmp_path: Path) -> None:
     """The aggregator restarted anywhere (from `needed_offsets()`, windows up to
     `emitted_until_ms` suppressed) gives the records of an uninterrupted run: the running gate

@@ -116,7 +116,7 @@ class ContainerStatus(msgspec.Struct, frozen=True, rename="camel"):
             kind, started, finished = ("waiting" if state.waiting is not None else ""), None, None
         last_finished = last.finished_at if last is not None else None
         return Run(self.name, kind, started or "", finished or "", last_finished or "",
-                   self.restart_count)  # fmt: skip
+                   self.restart_count, last is not None)  # fmt: skip
 
 
 class PodStatus(msgspec.Struct, frozen=True, rename="camel"):
@@ -177,6 +177,9 @@ class Run:
     finished: str = ""  # state.terminated.finishedAt
     last_finished: str = ""  # lastState.terminated.finishedAt: how the previous run ended
     restarts: int = 0
+    # lastState.terminated is there, whatever its times (a run the runtime lost, e.g. at a
+    # reboot, is `ContainerStatusUnknown` with null times behind a `waiting`)
+    last_terminated: bool = False
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,12 @@ class PresenceStage:
         started = last = ""
         if run is not None and run.state == "terminated":
             finished, started, last = run.finished, run.started, run.last_finished
-        elif run is not None and run.state == "waiting" and run.last_finished:
+        elif (
+            run is not None
+            and run.state == "waiting"
+            and (run.last_finished or run.last_terminated)
+        ):
+            # (its time "" when null: taken as this scan's, as a terminated state's is)
             finished = run.last_finished
         elif pv.phase in _DONE:
             finished = ""  # the pod is done; this container has no terminated status of its own
