@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -312,20 +313,26 @@ def test_a_stale_folder_keeps_no_descriptor_open(tmp_path: Path) -> None:
     assert samples == [(25_000, 6, MiB)]
 
 
+def scan_job(tmp_path: Path, seconds: int, view: Callable[[int], PodView]) -> list[Event]:
+    """The Job's cache file scanned once a second, the watch's view of it `view(second)`."""
+    w = new_cache_file(tmp_path / "root", JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    current: dict[str, PodView] = {}
+    scanner = Scanner(tmp_path / "root", heartbeat_s=10, inc=1,
+                      presence=PresenceStage(lambda: current))  # fmt: skip
+    events: list[Event] = []
+    for s in range(seconds):
+        current = {JOB: view(s)}
+        events += scanner.scan(now_ms=T0 + s * 1000)
+    w.close()
+    return events
+
+
 def test_a_missed_restart_that_ends_terminated_bills_each_run(tmp_path: Path) -> None:
     """The watch knew the run from 0; when it reads again (+16) the container had ended at +10
     (`lastState`), run again from +12, and ended for good at +15: the two runs are billed,
     [0, 10) and [12, 15), not the gap between them."""
-    w = new_cache_file(tmp_path / "root", JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
-    current: dict[str, PodView] = {}
-    presence = PresenceStage(lambda: current)
-    scanner = Scanner(tmp_path / "root", heartbeat_s=10, inc=1, presence=presence)
-    events: list[Event] = []
-    for s in range(30):
-        done = job("terminated", 12, 15, last=10, restarts=1, phase="Succeeded")
-        current = {JOB: job("running") if s < 16 else done}
-        events += scanner.scan(now_ms=T0 + s * 1000)
-    w.close()
+    done = job("terminated", 12, 15, last=10, restarts=1, phase="Succeeded")
+    events = scan_job(tmp_path, 30, lambda s: job("running") if s < 16 else done)
     runs = [(e.running, e.at - T0, e.reason) for e in events if isinstance(e, ContainerRun)]
     assert runs == [
         (True, 0, "started"),
@@ -352,18 +359,13 @@ def test_a_run_the_runtime_lost_ends_when_the_watch_says_so(tmp_path: Path) -> N
         b'"ContainerStatusUnknown", "exitCode": 137, "startedAt": null, "finishedAt": null}}}',
         type=ContainerStatus,
     ).run()
-    w = new_cache_file(tmp_path / "root", JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
-    current: dict[str, PodView] = {}
-    presence = PresenceStage(lambda: current)
-    scanner = Scanner(tmp_path / "root", heartbeat_s=10, inc=1, presence=presence)
-    events: list[Event] = []
-    for s in range(60):
-        view = job("running") if s < 9 else job("running", 40, restarts=1)
+
+    def view(s: int) -> PodView:
         if 9 <= s < 40:
-            view = PodView(view.identity, view.containers, None, None, runs=(lost,))
-        current = {JOB: view}
-        events += scanner.scan(now_ms=T0 + s * 1000)
-    w.close()
+            return PodView(job("running").identity, ("main",), None, None, runs=(lost,))
+        return job("running") if s < 9 else job("running", 40, restarts=1)
+
+    events = scan_job(tmp_path, 60, view)
     runs = [(e.running, e.at - T0, e.reason) for e in events if isinstance(e, ContainerRun)]
     assert runs == [(True, 0, "started"), (False, 9_000, "finished"), (True, 40_000, "started")]
     agg = Aggregator(WindowSettings())
