@@ -7,6 +7,7 @@ import asyncio
 import socket
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 
@@ -122,3 +123,41 @@ def test_a_line_over_the_limit_is_a_400_without_a_traceback(
         b"HTTP/1.0 200 OK",
     ]
     assert [r.levelname for r in caplog.records if r.levelname != "DEBUG"] == []
+
+
+def test_the_listener_check_skips_an_address_family_the_host_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node booted with IPv6 off: `localhost` resolves to 127.0.0.1 and ::1, and a socket of
+    AF_INET6 cannot be made. The server (asyncio) skips that family and listens; the check
+    refused the address, so `--metrics-bind-address localhost` exited 2 on such nodes."""
+    import errno
+
+    from collector.transport import http
+
+    real = socket.socket
+
+    def no_ipv6(family: int = socket.AF_INET, *args: Any, **kwargs: Any) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real(family, *args, **kwargs)
+
+    both = [
+        (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0)),
+    ]
+    with real() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(http.socket, "socket", no_ipv6)
+    monkeypatch.setattr(
+        http.socket,
+        "getaddrinfo",
+        lambda *a, **k: [(*x[:4], (x[4][0], port, *x[4][2:])) for x in both],
+    )
+    http.try_listen("localhost", port)  # no ListenError
+    with real() as taken:  # and the family it has is still tried
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(http.ListenError, match="Address already in use"):
+            http.try_listen("localhost", port)

@@ -49,7 +49,11 @@ def try_listen(host: str, port: int) -> None:
     try:
         found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         for family, kind, proto, _, address in found:
-            with socket.socket(family, kind, proto) as sock:
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:
+                continue  # a family this host lacks (IPv6 off): asyncio skips it too
+            with sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
