@@ -13,7 +13,7 @@ from ..transport.locallog.checkpoint import CONSUMERS_DIR, GROUP_NAME, GroupInUs
 from .args import Command, UsageError, iso_ms, say, switch
 from .kafka import kafka_flags, kafka_security, run_kafka, start_logging
 from .replay import REPLAY_FLAGS
-from .settings import load_settings, one_source
+from .settings import listener, load_settings, one_source
 from .topics import topic_plan
 from .windowing import (
     accept_damaged_flag,
@@ -97,7 +97,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from ..aggregate.service import AggregateSettings, OutputError, aggregate
-    from ..transport.http import ListenError, try_listen
+    from ..transport.http import ListenError
 
     cfg = load_settings(args, AggregateConfig, "aggregate", AGGREGATE_FLAGS)
     one_source("aggregate", args, cfg.kafka)
@@ -120,11 +120,7 @@ def _run(args: argparse.Namespace) -> int:
                 "hami-usage aggregate: with a local log, give --csv FILE, --jsonl FILE or "
                 "--parquet DIR (there is no billing topic)"
             )
-    if cfg.health_port is not None:
-        try:
-            try_listen(cfg.health_bind_address, cfg.health_port)
-        except ListenError as exc:
-            raise UsageError(f"hami-usage aggregate: --health-port {exc}") from None
+    listener("aggregate", "--health-port", cfg.health_bind_address, cfg.health_port)
     check_outputs("aggregate", cfg)
     settings = AggregateSettings(
         window=window_settings(cfg),

@@ -13,7 +13,7 @@ from ..events import MAX_LABELS
 from ..transport.locallog import LogOpenError
 from .args import Command, UsageError, say, switch
 from .kafka import KAFKA_FLAGS, kafka_flags, kafka_security, start_logging
-from .settings import load_settings, machine
+from .settings import listener, load_settings, machine
 from .topics import topic_plan
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..node.podwatch import KubeConfigError
     from ..node.service import CollectSettings, collect
     from ..node.writer_faults import WriterFaultSettings
-    from ..transport.http import ListenError, try_listen
+    from ..transport.http import ListenError
     from ..transport.kafka import ProducerSettings
 
     cfg = load_settings(args, CollectConfig, "collect", COLLECT_FLAGS)
@@ -217,11 +217,7 @@ def _run(args: argparse.Namespace) -> int:
         # The collector never writes below the root: its spool there would sit among the
         # containers' folders (HAMi's, and read as one of them).
         check.outside_folder([("--log", cfg.log)], "--root", cfg.root)
-    if cfg.metrics_port is not None:
-        try:
-            try_listen(cfg.metrics_bind_address, cfg.metrics_port)
-        except ListenError as exc:
-            raise UsageError(f"hami-usage collect: --metrics-port {exc}") from None
+    listener("collect", "--metrics-port", cfg.metrics_bind_address, cfg.metrics_port)
     kube = _kube(cfg)
     kafka = None
     if cfg.kafka and usage is not None:

@@ -55,3 +55,16 @@ def flag_checks(section: str) -> Iterator[None]:
         yield
     except ValueError as exc:
         raise UsageError(f"hami-usage {section}: invalid setting {exc}") from None
+
+
+def listener(section: str, flag: str, host: str, port: int | None) -> None:
+    """The listener `flag` asks for can start (tried: `try_listen`), before anything is made;
+    else one line, exit 2. None: no listener."""
+    from ..transport.http import ListenError, try_listen
+
+    if port is None:
+        return
+    try:
+        try_listen(host, port)
+    except ListenError as exc:
+        raise UsageError(f"hami-usage {section}: {flag} {exc}") from None
