@@ -91,13 +91,12 @@ def calls_alone(scanner: Scanner) -> Callable[[], int]:
     """The system calls of one steady scan of `scanner`'s node, in a tight loop of their own:
     the root's listing (`scandir`, sorted as discovery sorts it), per container the `fstat` of
     its kept folder and of its kept file, and the reads `_snapshot_known` makes of a file whose
-    header is known (the tail with the probed bytes, then the header and slots three times with
-    a seqlock, twice without), of the lengths it read last scan. Returns the calls made. Their
-    time is a floor: no Python collector that keeps the protocol and the path checks can scan
-    faster."""
+    header and slots are as last scan (the tail with the probed bytes, then the header and
+    slots once), of the lengths it read last scan. Returns the calls made. Their time is a
+    floor: no Python collector that keeps the protocol and the path checks can scan faster."""
     discovery = scanner.discovery
     root_fd = discovery._root_fd
-    plan: list[tuple[int, int, int, int, int, int]] = []
+    plan: list[tuple[int, int, int, int, int]] = []
     for dir_name, held in discovery._held.items():
         for name, kept in held.files.items():
             key = (os.path.join(discovery.root, dir_name, name), kept[1], kept[2])
@@ -105,10 +104,7 @@ def calls_alone(scanner: Scanner) -> Callable[[], int]:
             if memo is None or memo.header is None or memo.past is None:
                 continue
             hdr = memo.header
-            layout = hdr.found.layout
-            assert layout is not None
-            reads = 3 if layout.slot_seqlock is not None else 2
-            plan.append((held.fd, kept[0], hdr.hi - hdr.lo, hdr.lo, len(memo.past[2]), reads))
+            plan.append((held.fd, kept[0], hdr.hi - hdr.lo, hdr.lo, len(memo.past[2])))
     if not plan:  # a floor of the listing alone would be a wrong figure, not a small one
         raise SystemExit("bench_collector_scale: no kept file has a memo (did the keys change?)")
     fstat, pread = os.fstat, os.pread
@@ -116,13 +112,12 @@ def calls_alone(scanner: Scanner) -> Callable[[], int]:
     def run() -> int:
         calls = 1
         sorted(os.scandir(root_fd), key=lambda e: e.name)
-        for dir_fd, fd, window, lo, m, reads in plan:
+        for dir_fd, fd, window, lo, m in plan:
             fstat(dir_fd)
             fstat(fd)
             pread(fd, window, lo)
-            for _ in range(reads):
-                pread(fd, m, 0)
-            calls += 3 + reads
+            pread(fd, m, 0)
+            calls += 4
         return calls
 
     return run

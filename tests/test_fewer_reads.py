@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,7 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(("layout", "preads"), [(V12, 4), (V0A, 3)], ids=["v1.2", "v0a"])
-def test_a_known_file_takes_two_fstats_and_four_reads_or_three_without_seqlock(  # + the root's
+def test_a_known_file_takes_two_fstats_and_two_reads_or_the_protocol_once_it_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: Any, preads: int
 ) -> None:
     monkeypatch.setattr(discover, "TIMESTAMP_WINDOW_NS", int(WINDOW_S * 1e9))
@@ -141,18 +142,51 @@ def test_a_known_file_takes_two_fstats_and_four_reads_or_three_without_seqlock( 
     assert s.scan(now_ms=3000) == []
     # The root (once a scan: is it still the same directory?), then the folder and the file
     # by their kept descriptors: no lookup by name. The tail (with what detection probed),
-    # then the header with the seqlock words, the slots, the slots again (without a seqlock:
-    # the header with the slots, the slots again).
-    assert calls == {"pread": preads, "fstat": 3, "stat": 0}
+    # then the header with the slots once: every byte as in the last read that passed the
+    # protocol, so that state is what it holds.
+    assert calls == {"pread": 2, "fstat": 3, "stat": 0}
+    # The slots changed: the first read differs from what is held, and the protocol's reads
+    # follow it (the seqlock words before, the slots, the seqlock words after; without a
+    # seqlock the slots twice).
+    calls.update(pread=0)
     w.add_memory(7, 0, "data", MiB)
     (sample,) = s.scan(now_ms=4000)
     assert isinstance(sample, UsageSample) and sample.rows[0].data == 65 * MiB
+    assert calls["pread"] == preads
+    calls.update(pread=0)
+    assert s.scan(now_ms=4500) == []
+    assert calls["pread"] == 2  # settled again
     # A process starts: proc_num, which detection probes in layouts without version fields,
     # moves. Detection is redone from the bytes already read, not from everything read again.
     calls.update(pread=0)
     w.add_process(8, 4008)
     assert [type(e).__name__ for e in s.scan(now_ms=5000)] == ["ProcessStarted", "UsageSample"]
     assert calls["pread"] == preads
+    w.close()
+
+
+def test_a_read_that_differs_from_the_held_bytes_takes_the_protocol(tmp_path: Path) -> None:
+    """The one-read path takes only bytes equal to a read that passed the protocol: a slot
+    whose seqlock a writer holds odd (a torn read) is read again by the protocol, which does
+    not take it, and the snapshot keeps last scan's consistent bytes out of it."""
+    path = tmp_path / "a.cache"
+    w = CacheWriter(path, V12, [SimDevice(GPU0, GiB)])
+    w.add_process(7, 4007)
+    w.add_memory(7, 0, "data", 64 * MiB)
+    rfd = os.open(path, os.O_RDONLY)
+    memo = ParseMemo()
+    for _ in range(3):  # header memo, then the known path, then the one-read path
+        first = snapshot_fd(rfd, str(path), memo=memo)
+    assert first.procs[0].devices[0].data == 64 * MiB
+    seq_at = V12.slot_offset(0) + V12.slot_seqlock
+    (seq,) = struct.unpack_from("<Q", os.pread(rfd, 8, seq_at))
+    with open(path, "r+b") as f:  # a write in progress: seqlock odd, data half written
+        f.seek(seq_at)
+        f.write(struct.pack("<Q", seq + 1))
+    snap = snapshot_fd(rfd, str(path), memo=memo)
+    assert snap.procs == [] and [a.kind for a in snap.anomalies] == ["torn_read"]
+    assert snap == read_snapshot(path)
+    os.close(rfd)
     w.close()
 
 

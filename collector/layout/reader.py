@@ -465,7 +465,8 @@ class ParseMemo:
 
     While the header is as last scan's the layout is known before anything is read, so the
     snapshot is taken in four reads (`_snapshot_known`): the tail with the bytes detection
-    probed, the header with the seqlock words before, the slots, the slots again.
+    probed, the header with the seqlock words before, the slots, the slots again; in two
+    while the header and slots read as the last read that passed the protocol.
     """
 
     __slots__ = ("header", "slots", "block", "last", "past")
@@ -540,7 +541,6 @@ def snapshot_fd(
     checks the file it keeps open on each scan); `memo`: see `ParseMemo`. `ahead`: for a
     proc_num, the slot up to which to read along past it (the writer-fault checks look there;
     reading them with the slots saves those reads), left in `memo.past`."""
-    f = _File(fd, retries)
     if memo is not None:
         memo.past = None  # until this snapshot reads them along
     if st is None:
@@ -559,6 +559,7 @@ def snapshot_fd(
         if snap is not None:
             return snap
         memo.past = None  # (the attempt may have read them; the general path reads afresh)
+    f = _File(fd, retries)
     header = f.read_at(0, HEADER_BYTES)
     header_hit = (
         known is not None
@@ -712,7 +713,8 @@ def _snapshot_known(
 ) -> Snapshot | None:
     """The snapshot of a file whose size is last scan's, in four reads while its header and
     the bytes detection probed are last scan's too and its slots below proc_num read clean
-    (else None, and the caller takes the general path, reading everything again).
+    (else None, and the caller takes the general path, reading everything again); in two
+    when the first read of the header and slots is the bytes of the last read that passed.
 
     The same protocol as the general path, in fewer reads: proc_num is read before the slots
     (a writer fills a slot before it counts it); the seqlock words are read before the slots
@@ -723,7 +725,12 @@ def _snapshot_known(
     assert layout is not None
     lo = known.lo
     window = _pread(fd, known.hi - lo, lo)
-    if any(window[off - lo : off - lo + len(was)] != was for off, was in known.probes):
+    probed_moved = False
+    for off, was in known.probes:  # (a loop: this runs for every file on every scan)
+        if window[off - lo : off - lo + len(was)] != was:
+            probed_moved = True
+            break
+    if probed_moved:
         # What detection probed changed (it reads proc_num, which moves whenever a process
         # starts or ends): detect again from the header below the slots (all it reads there;
         # the header read below is checked against it) and these bytes.
@@ -748,27 +755,34 @@ def _snapshot_known(
     # Each read takes the header and the slots from 0 to `end` whole, so that two of them
     # compare as one bytes object (a change anywhere in them, even where the protocol does not
     # need it, sends the file down the general path).
-    if seq is not None:
+    last = memo.last
+    held = None if last is None else last[2]
+    first = _pread(fd, m, 0)
+    if held is not None and first == held:
+        # Every byte is as in the last read that passed the checks below, so this read holds
+        # that consistent state: a read torn by a write holds at least one byte the write
+        # changed (the seqlock word it made odd, or the data), and a write that changed
+        # nothing left the state as it was. Most files on a node are unchanged each second.
+        data = after = held
+    elif seq is not None:
         # seq (read r0) -> slots (r1) -> seq (r2), each a separate read.
-        before = _pread(fd, m, 0)
         data = _pread(fd, m, 0)
         after = _pread(fd, m, 0)
-        if before != after or 1 in before[start + seq : n : slot_size].translate(_LOW_BIT):
+        if first != after or 1 in first[start + seq : n : slot_size].translate(_LOW_BIT):
             return None
     else:
         # Without a seqlock two reads of the slots must agree.
-        data = _pread(fd, m, 0)
+        data = first
         after = _pread(fd, m, 0)
         if data != after:
             return None
     if len(data) < n or len(after) < n:
         return None
-    last = memo.last
     # Bytes equal to bytes already held are held as that one object: an unchanged file is
     # kept once (in `memo.last`, `memo.past` and the writer-fault checks' memo), not once a
     # scan and a read (at 5000 containers that was a third of the collector's memory).
-    if last is not None and last[2] == data:
-        data = last[2]
+    if held is not None and held == data:
+        data = held
     if after == data:
         after = data
     memo.past = (proc_num, end, data, after, n)

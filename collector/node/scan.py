@@ -311,9 +311,7 @@ class Scanner:
             ahead = None if memo is None else faults.ahead(key)
             snap = snapshot_fd(fd, f.path, memo=memo, st=st, ahead=ahead, counted=counted)
             n = snap.proc_num
-            if 0 <= n <= MAX_PROCS and any(
-                a.kind == "proc_num_out_of_range" for a in snap.anomalies
-            ):
+            if snap.anomalies and 0 <= n <= MAX_PROCS and _out_of_range(snap):
                 if self._suspect.get(key) == n != counted:
                     # The same count, taken for garbled, as at the last scan: the writer's (a
                     # garbled word does not stay; a collector that starts while a probe's exit
@@ -328,9 +326,7 @@ class Scanner:
         finally:
             if not kept:
                 os.close(fd)
-        if 0 <= snap.proc_num <= MAX_PROCS and not any(
-            a.kind == "proc_num_out_of_range" for a in snap.anomalies
-        ):
+        if 0 <= snap.proc_num <= MAX_PROCS and not (snap.anomalies and _out_of_range(snap)):
             self._suspect.pop(key, None)
             if snap.proc_num != counted:
                 self._counted[key] = snap.proc_num
@@ -393,6 +389,11 @@ def _parts(states: list[ContainerState]) -> list[list[ContainerState]]:
         part.append(state)
         size += n
     return parts
+
+
+def _out_of_range(snap: Snapshot) -> bool:
+    """Whether `snap` took its proc_num for garbled."""
+    return any(a.kind == "proc_num_out_of_range" for a in snap.anomalies)
 
 
 def _settled(st: FileState, snap: Snapshot, prev: Snapshot | None) -> bool:
