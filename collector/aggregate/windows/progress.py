@@ -47,6 +47,8 @@ comparison of two recorded times, never the wall clock.
 
 from __future__ import annotations
 
+import heapq
+
 from .settings import NEVER
 
 __all__ = ["Progress"]
@@ -85,7 +87,8 @@ def _silence(n: _Node, end: int, rec: int) -> None:
 
 class _Source:
     __slots__ = (
-        "floor", "newest", "next_idle", "next_offset", "nodes", "rec", "recorded", "silent_at"
+        "active", "due", "floor", "idle_lasts", "latest", "latest_at", "low", "newest",
+        "next_idle", "next_offset", "nodes", "rec", "recorded", "silent_at",
     )  # fmt: skip
 
     def __init__(self, next_offset: int) -> None:
@@ -97,6 +100,18 @@ class _Source:
         self.next_idle = NEVER  # the earliest record time at which an active node turns idle
         self.silent_at = -NEVER  # the record time its silence has come to (`Progress.idle`)
         self.nodes: dict[str, _Node] = {}
+        # Kept so that a partition written under many node names (most of them idle) costs
+        # per event what one of few nodes does, not a look at every node it has seen:
+        self.active: dict[str, _Node] = {}  # the nodes active now
+        self.low: int | None = NEVER  # the smallest top of `active` (NEVER: none), None: unknown
+        # (-last, name) of nodes as they turned idle: a heap whose first entry that is still
+        # an idle node's last event is the largest such (see `_idle_after`)
+        self.idle_lasts: list[tuple[int, str]] = []
+        # (record time it turns idle at, name) of each active node: a heap, its first entry
+        # exact after `_turn_idle`, the others at or before their node's time
+        self.due: list[tuple[int, str]] = []
+        self.latest: _Node | None = None  # the node of the largest offset read (`_turn_idle`)
+        self.latest_at = -1  # that offset
 
     def top(self, idle_extra: int, behind: int) -> int:
         """The source's progress: the smallest newest ts of its active nodes, at most `behind`
@@ -104,10 +119,13 @@ class _Source:
         newest event by `idle_extra`."""
         if not self.nodes:
             return self.floor
-        low = NEVER
-        for n in self.nodes.values():
-            if n.active and n.top < low:
-                low = n.top
+        low = self.low
+        if low is None:
+            low = NEVER
+            for n in self.active.values():
+                if n.top < low:
+                    low = n.top
+            self.low = low
         if low == NEVER:
             low = self.newest + idle_extra
         elif self.recorded != -NEVER and self.recorded - behind < low:
@@ -123,6 +141,17 @@ class _Source:
         if self.recorded != -NEVER and self.recorded - behind < bound:
             bound = self.recorded - behind
         return bound - lateness > top
+
+    def idle_after(self, last: int) -> bool:
+        """Whether an idle node's last event is after offset `last`."""
+        heap, nodes = self.idle_lasts, self.nodes
+        while heap:
+            neg, name = heap[0]
+            n = nodes[name]
+            if not n.active and n.last == -neg:
+                return -neg > last
+            heapq.heappop(heap)  # active again since, or idle again with a later last event
+        return False
 
 
 class Progress:
@@ -191,13 +220,23 @@ class Progress:
                 n = s.nodes[node] = _Node(ts, rec, offset)
             else:
                 n.active = True
+                if ts > n.top:
+                    n.top = ts
+            s.active[node] = n
+            heapq.heappush(s.due, (rec + self._idle, node))
+            if s.low is not None and n.top < s.low:
+                s.low = n.top
+        elif ts > n.top:
+            if n.top == s.low:
+                s.low = None  # (the smallest may have moved up)
+            n.top = ts
         if offset >= 0:
             n.last = offset
             n.jumped = False
+            if offset > s.latest_at:
+                s.latest, s.latest_at = n, offset
         if ts > s.newest:
             s.newest = ts
-        if ts > n.top:
-            n.top = ts
         if rec > n.rec:
             n.rec = rec
         if n.rec + self._idle < s.next_idle:
@@ -234,28 +273,43 @@ class Progress:
     def _turn_idle(self, s: _Source, rec: int, offset: int) -> None:
         """Nodes silent for `idle_ms` of record time `rec` turn idle; `offset`: the first
         offset read with them idle."""
-        idle = self._idle
-        nxt = NEVER
-        for n in s.nodes.values():
-            if n.active:
-                if n.rec + idle <= rec:
-                    n.active = False
-                    if n.last >= 0 and (n.jumped or s.passes(n.top, self._skew, self._lateness)):
-                        _silence(n, offset, rec)
-                elif n.rec + idle < nxt:
-                    nxt = n.rec + idle
-        s.next_idle = nxt
+        idle, due, nodes = self._idle, s.due, s.nodes
+        while due and due[0][0] <= rec:
+            _, name = heapq.heappop(due)
+            n = nodes[name]
+            if n.rec + idle > rec:  # (it has sent since the entry was made)
+                heapq.heappush(due, (n.rec + idle, name))
+                continue
+            n.active = False
+            del s.active[name]
+            if n.top == s.low:
+                s.low = None
+            heapq.heappush(s.idle_lasts, (-n.last, name))
+            if n.last >= 0 and (n.jumped or s.passes(n.top, self._skew, self._lateness)):
+                _silence(n, offset, rec)
+        while due and nodes[due[0][1]].rec + idle != due[0][0]:
+            name = heapq.heappop(due)[1]
+            heapq.heappush(due, (nodes[name].rec + idle, name))
+        s.next_idle = due[0][0] if due else NEVER
+        if len(s.idle_lasts) > 2 * (len(nodes) - len(s.active)) + 64:
+            # (entries of nodes active again, or idle again since, are dropped only when they
+            # come first: without this a node that comes and goes would grow it for good)
+            s.idle_lasts = [(-n.last, k) for k, n in nodes.items() if not n.active]
+            heapq.heapify(s.idle_lasts)
         # A restart that read from after the last event of the active node read last knows
         # none but nodes idle now: its progress jumps past their newest event (`top`), and
-        # can pass that node, which this run's progress waits for.
-        last: _Node | None = None
-        for n in s.nodes.values():
-            if n.active and n.last >= 0 and (last is None or n.last > last.last):
-                last = n
+        # can pass that node, which this run's progress waits for. (That node is the one of
+        # the largest offset read, unless it is idle or a rewind read it again since.)
+        last = s.latest
+        if last is None or not last.active or last.last != s.latest_at:
+            last = None
+            for n in s.active.values():
+                if n.last >= 0 and (last is None or n.last > last.last):
+                    last = n
         if (
             last is not None
             and s.newest + self._idle_extra - self._lateness > last.top
-            and any(not n.active and n.last > last.last for n in s.nodes.values())
+            and s.idle_after(last.last)
         ):
             last.jumped = True
 
