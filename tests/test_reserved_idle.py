@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from test_fair_share import HOUR, GiB, Node, hour_of, ms, run, schedules
 
 from collector.aggregate.records import BillingRecord, csv_row, to_json
-from collector.aggregate.windows import WindowSettings
+from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.aggregate.windows.allocate import POLICIES, Policy, idle_part
 from collector.events import ContainerRun, ContainerState, DeviceLimit, Event, UsageRow
 
@@ -238,3 +238,32 @@ def test_reserved_idle_stops_with_the_allocation_when_kubernetes_says_the_run_en
     # present (running) 0..20 s, busy 0..10 s
     alloc, _, idle = container(records, "pod-1")
     assert (alloc, idle) == (20_000, 10_000)
+
+
+def test_a_running_gate_read_before_its_late_announcement_is_kept_whenever_windows_close() -> None:
+    """A `ContainerRun` (not running from 55 s) read in time, before the container's own
+    `ContainerAppeared` (42 s), which comes late, after another container's sample let [0, 60 s)
+    close: closing that window between the two dropped the unnamed track with its gate, so the
+    container was billed from 60 s when windows closed after every event and not at all when
+    they closed at the end."""
+    n = Node()
+    devs = [DeviceLimit(0, "GPU-A", 8 * GiB, 50)]
+    appeared = n.appeared(42_000, 1, devs)  # sent before the others, read after them
+    events: list[Event] = [
+        n.appeared(0, 2, devs),
+        ContainerRun(1, n.inc, n._n(), 58_000, 1, False, 55_000, "finished"),
+        n.sample(75_000, 2, UsageRow(2, 2, 0, GiB, 0, 0, GiB, 0, 10)),
+        appeared,
+        n.gone(100_000, 1),
+        n.gone(120_000, 2),
+    ]
+    agg = Aggregator(WindowSettings(allocation_policy="cores"))
+    at_end: list[BillingRecord] = []
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i)
+    at_end += agg.flush()
+    every, _ = run(events, "cores")
+    assert sorted(to_json(r) for r in every) == sorted(to_json(r) for r in at_end)
+    assert [r.pod_uid for r in every if r.kind == "container"] == ["pod-2", "pod-2"]
+    gpu = [r for r in every if r.kind == "gpu" and r.window_start_ms == 60_000]
+    assert [ms(r.allocated_gpu_seconds) for r in gpu] == [30_000]  # pod-2's half of 60 s
