@@ -26,8 +26,6 @@ from .aggregate.windows import Aggregator, WindowSettings
 from .transport.consumer import ConsumerSettings, read_range
 from .transport.locallog import LogReader
 
-# Record timestamps are the collector's append or send time, a little after the event time.
-SLACK_MS = 60_000
 # Records between two looks at whether a source has read past the range (a batch is up to 5000).
 CHECK_EVERY = 256
 
@@ -94,7 +92,7 @@ def missing_history(begin: int, first: int, first_ts: int | None, start_ms: int)
 
 def replay_start_ms(window: WindowSettings, rng: ReplayRange) -> int:
     """The record time reading starts at."""
-    return rng.from_ms - max(window.lookback_ms, window.idle_after_ms) - SLACK_MS
+    return window.history_from(rng.from_ms)
 
 
 def _in_range(r: BillingRecord, rng: ReplayRange) -> bool:

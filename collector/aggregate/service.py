@@ -521,12 +521,14 @@ async def run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Out
 async def _run_local(settings: AggregateSettings, stopping: asyncio.Event) -> Outputs:
     reader = LogReader(settings.log_dir)
     committed = open_checkpoint(reader, settings.group, settings.log_dir)
-    position, meta = committed if committed else (_local_start(reader, settings.start_from), "")
+    read_from, first = fresh_start(settings.window, settings.start_from)
+    position, meta = committed if committed else (_local_start(reader, read_from), "")
     resume = parse_checkpoint(meta, f"checkpoint of group {settings.group}")
     check_window(resume, settings.window.window_ms, f"checkpoint of group {settings.group}")
     damage = settings.stats.damage
     watch = DamageWatch(damage, settings.window.max_skew_ms)
-    agg = Aggregator(settings.window, emitted_until_ms=resume.emitted_until_ms)
+    emitted = resume.emitted_until_ms if committed else max(resume.emitted_until_ms, first)
+    agg = Aggregator(settings.window, emitted_until_ms=emitted)
     outputs = Outputs.open(
         settings.csv,
         settings.jsonl,
@@ -676,7 +678,8 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
         except CheckpointError as exc:
             failed.append(exc)  # the service stops
             return
-        fresh = await start_offsets(consumer, assigned, settings.start_from)
+        read_from, first = fresh_start(settings.window, settings.start_from)
+        fresh = await start_offsets(consumer, assigned, read_from)
         gained = await consumer.end_offsets(assigned) if settings.drain else {}
         ends.update(gained)
         for tp in assigned:
@@ -690,10 +693,12 @@ async def run_kafka(settings: AggregateSettings, stopping: asyncio.Event) -> Out
                 return
             if om is not None and om.metadata and outputs is not None:
                 outputs.learn(meta)
-            start = om.offset if om is not None and om.offset >= 0 else fresh[tp]
+            resumed = om is not None and om.offset >= 0
+            start = om.offset if om is not None and resumed else fresh[tp]
             consumer.seek(tp, start)
             positions[tp] = start
-            aggs[tp] = tally.aggregator(tp.partition, meta.emitted_until_ms)
+            emitted = meta.emitted_until_ms if resumed else max(meta.emitted_until_ms, first)
+            aggs[tp] = tally.aggregator(tp.partition, emitted)
             settings.stats.damage.forget_source(tp.partition)
         consumer.resume(*assigned)
 
@@ -1014,25 +1019,32 @@ async def committed_offsets(
     return dict(found)
 
 
-def _local_start(reader: LogReader, start_from: str | int) -> int:
-    """Where a group that has committed nothing in a local log starts (it started at its
-    beginning whatever `start_from` said)."""
+def fresh_start(window: WindowSettings, start_from: str | int) -> tuple[int | None, int]:
+    """Where a group with no committed offset starts: the record time it reads from (None: the
+    beginning) and the end of the windows it publishes none of. `latest` (now) and a time T
+    publish the windows from the first boundary at or after it, read from as far before as
+    their state needs (`WindowSettings.history_from`), so each is the record a group from
+    `earliest` publishes, the same `record_id` with the same values: a window begun before T
+    was billed from the part of its input after T, under that id."""
     if start_from == "earliest":
-        return 0
-    if start_from == "latest":
-        return reader.end_offset()
-    return reader.offset_for_time(max(int(start_from), 0))
+        return None, 0
+    at = int(time.time() * 1000) if start_from == "latest" else int(start_from)
+    if at <= 0:
+        return None, 0  # (Kafka takes no time before 1970: such a time is every record's)
+    return max(window.history_from(at), 0), window.first_whole(at)
 
 
-async def start_offsets(consumer: Any, tps: list[Any], start_from: str | int) -> dict[Any, int]:
-    """Where each partition starts for a group that has committed nothing there."""
-    if start_from == "earliest":
+def _local_start(reader: LogReader, read_from: int | None) -> int:
+    """Where a new group starts in a local log (`fresh_start`)."""
+    return 0 if read_from is None else reader.offset_for_time(read_from)
+
+
+async def start_offsets(consumer: Any, tps: list[Any], read_from: int | None) -> dict[Any, int]:
+    """Where each partition starts for a group that has committed nothing there (`fresh_start`)."""
+    if read_from is None:
         return dict(await consumer.beginning_offsets(tps))
     ends: dict[Any, int] = await consumer.end_offsets(tps)
-    if start_from == "latest":
-        return ends
-    # (Kafka takes no time before 1970: such a time is every record's, as `earliest`)
-    found = await consumer.offsets_for_times({tp: max(int(start_from), 0) for tp in tps})
+    found = await consumer.offsets_for_times({tp: read_from for tp in tps})
     return {tp: found[tp].offset if found.get(tp) else ends[tp] for tp in tps}
 
 

@@ -21,6 +21,8 @@ MAX_TS: Final = 253_370_764_800_000 - 1
 # most), so a collector that stalls and resumes with changed rows only is still attributed
 # without waiting for its next heartbeat.
 RETAIN_GAPS: Final = 2
+# Record timestamps are the collector's append or send time, a little after the event time.
+RECORD_SLACK_MS: Final = 60_000
 
 
 class WindowSettings(msgspec.Struct, frozen=True):
@@ -61,3 +63,14 @@ class WindowSettings(msgspec.Struct, frozen=True):
         a shorter silence would find them closed live (on the clock) and open in a replay (on
         its next record), and the two would differ."""
         return max(self.idle_ms, self.max_gap_ms + self.lateness_ms + self.window_ms)
+
+    def history_from(self, at_ms: int) -> int:
+        """The record time reading starts at to bill the windows from `at_ms` on as a reading
+        of everything before would: the state in effect then (names, limits, values, which
+        nodes are idle) comes from up to this far back."""
+        return at_ms - max(self.lookback_ms, self.idle_after_ms) - RECORD_SLACK_MS
+
+    def first_whole(self, at_ms: int) -> int:
+        """The start of the first window at or after `at_ms`: a reading that starts at
+        `at_ms` bills none before it (their input before `at_ms` was not read)."""
+        return -(-at_ms // self.window_ms) * self.window_ms
