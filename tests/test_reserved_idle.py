@@ -11,7 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from test_fair_share import HOUR, GiB, Node, hour_of, ms, run, schedules
 
-from collector.aggregate.records import BillingRecord, csv_row, to_json
+from collector.aggregate.records import (
+    BillingRecord,
+    csv_row,
+    from_json,
+    from_msgpack,
+    to_json,
+    to_msgpack,
+)
 from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.aggregate.windows.allocate import POLICIES, Policy, idle_part
 from collector.events import ContainerRun, ContainerState, DeviceLimit, Event, UsageRow
@@ -215,6 +222,43 @@ def test_the_billing_schema_requires_the_field_from_version_2_on() -> None:
     for bad in (v1, {**v2, "version": 3}, {**v2, "version": 0}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_the_schema_and_every_reader_take_and_refuse_the_same_records() -> None:
+    """A record from before versions (no `version`, no field of a later one) is version 1 to
+    every reader: the schema refused it (its version-2 clause held when `version` was absent).
+    An empty record_id and a number past what the writer can send were valid to the schema
+    and decoded by `decode` (only `report` refused them); a window that ends where it starts,
+    which no schema can say, was decoded too."""
+    import json
+    from pathlib import Path
+
+    import jsonschema
+
+    schema = json.loads(
+        (Path(__file__).resolve().parent.parent / "schemas" / "billing.schema.json").read_text()
+    )
+    records, _ = run(half_gpu_busy_then_idle(False), "cores")
+    v2 = msgspec.json.decode(to_json(records[0]))
+    old = {k: v for k, v in v2.items() if k not in ("version", "reserved_idle_gpu_seconds")}
+    jsonschema.validate(old, schema)
+    assert from_json(json.dumps(old).encode()).version == 1
+    for bad in ({**v2, "record_id": ""}, {**v2, "memory_byte_seconds": 1e20}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    packed = msgspec.msgpack.decode(to_msgpack(records[0]))  # (decimals as strings)
+    changes = [
+        ({"record_id": ""}, {"record_id": ""}, "record_id is empty"),
+        ({"memory_byte_seconds": 1e20}, {"memory_byte_seconds": "1e20"}, "outside"),
+        ({"window_end_ms": v2["window_start_ms"]}, {"window_end_ms": v2["window_start_ms"]},
+         "window_end is not after window_start"),
+    ]  # fmt: skip
+    for as_json, as_msgpack, why in changes:
+        # `decode`, `report --kafka` and JSON Lines alike
+        with pytest.raises(ValueError, match=why):
+            from_json(json.dumps({**v2, **as_json}).encode())
+        with pytest.raises(ValueError, match=why):
+            from_msgpack(msgspec.msgpack.encode({**packed, **as_msgpack}))
 
 
 def test_reserved_idle_stops_with_the_allocation_when_kubernetes_says_the_run_ended() -> None:

@@ -8,6 +8,7 @@ keeps one message per record however often it is published again. Headers say wh
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any, Final, Literal
 
 import msgspec
@@ -59,21 +60,30 @@ def json_schema() -> dict[str, Any]:
     # Every field of a record's version is always sent (defaults included), so a consumer may
     # rely on each of them; a field added by a later version is required from that version on
     # (the topic keeps the records of every version written to it).
-    record["required"] = [f for f in BillingRecord.__struct_fields__ if f not in SINCE_VERSION]
+    # Records from before versions carry none, and every reader takes them as version 1.
+    required = BillingRecord.__struct_fields__
+    record["required"] = [f for f in required if f not in SINCE_VERSION and f != "version"]
     record["additionalProperties"] = False
     record["properties"]["version"] = {"type": "integer", "minimum": 1, "maximum": RECORD_VERSION}
     record["properties"]["kind"]["enum"] = list(KINDS)
+    # (what no reader takes: `checked`; a window's end after its start it cannot say)
+    record["properties"]["record_id"]["minLength"] = 1
     record["allOf"] = [
         {
-            "if": {"properties": {"version": {"minimum": v}}},
+            "if": {"required": ["version"], "properties": {"version": {"minimum": v}}},
             "then": {"required": sorted(f for f, since in SINCE_VERSION.items() if since == v)},
         }
         for v in sorted(set(SINCE_VERSION.values()))
     ]
     for name, prop in record["properties"].items():
         if prop.get("format") == "decimal":
-            # Sent as a JSON number with three decimals: the exact integral n/1000 (records.py).
-            record["properties"][name] = {"type": "number", "minimum": 0}
+            # Sent as a JSON number with three decimals: the exact integral n/1000 (records.py),
+            # n at most RECORD_MAX.
+            record["properties"][name] = {
+                "type": "number",
+                "minimum": 0,
+                "maximum": float(Decimal(RECORD_MAX) / 1000),
+            }
         elif prop.get("type") == "integer" and name != "version":
             record["properties"][name] = {"type": "integer", "minimum": 0, "maximum": RECORD_MAX}
     schema["$schema"] = JSON_SCHEMA_DIALECT

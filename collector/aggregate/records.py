@@ -32,6 +32,7 @@ __all__ = [
     "SINCE_VERSION",
     "BillingRecord",
     "Gauge",
+    "checked",
     "csv_header",
     "csv_row",
     "decimal_text",
@@ -246,14 +247,37 @@ def _whole(
     record: BillingRecord, payload: bytes, decoders: Mapping[int, Callable[[bytes], object]]
 ) -> BillingRecord:
     """`record` if it is one its writer could have sent: a version this reader knows, every
-    field of that version, a known kind; else ValueError (a msgspec.ValidationError naming
-    the missing field)."""
+    field of that version, a known kind, values `checked` takes; else ValueError (a
+    msgspec.ValidationError naming the missing field)."""
     decode = decoders.get(record.version)
     if decode is None:
         raise ValueError(f"version {record.version} is not one of 1 to {RECORD_VERSION}")
     decode(payload)
     if record.kind not in KINDS:
         raise ValueError(f"kind {record.kind!r} is not one of {', '.join(KINDS)}")
+    return checked(record)
+
+
+def checked(record: BillingRecord) -> BillingRecord:
+    """`record` if every number of it is one the aggregator can write, else ValueError: the
+    codecs take NaN, infinities and negatives as decimals, and such a record would fail the
+    report's arithmetic or bill a negative amount."""
+    for name in BillingRecord.__struct_fields__:
+        value = getattr(record, name)
+        if isinstance(value, Decimal) and not value.is_finite():
+            raise ValueError(f"{name} is not a finite number")
+    try:
+        ok = in_bounds(record)
+    except ArithmeticError:  # an exponent beyond what Decimal's context computes with
+        ok = False
+    if not ok:
+        raise ValueError(f"a number outside [0, {RECORD_MAX}] (seconds in milli-units)")
+    # What no aggregator writes, and a bill would count: a window that ends where or before it
+    # starts, a record no id names (one per id is billed).
+    if record.window_end_ms <= record.window_start_ms:
+        raise ValueError("window_end is not after window_start")
+    if not record.record_id:
+        raise ValueError("record_id is empty")
     return record
 
 

@@ -17,7 +17,6 @@ from ..settings_check import one_line
 from .bill import Bill, hours, make_bill, money
 from .load import (
     LoadError,
-    checked,
     csv_records,
     from_parquet,
     from_records,
@@ -63,7 +62,7 @@ async def _from_kafka(
                 if m.value is None:
                     continue
                 try:
-                    record = checked(decode_billing(m.value))
+                    record = decode_billing(m.value)
                 except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
                     where = f"{topic} partition {m.partition} offset {m.offset}"
                     raise LoadError(f"{where}: not a billing record: {e}") from None

@@ -27,8 +27,8 @@ from ..aggregate.records import (
     RECORD_VERSION,
     SINCE_VERSION,
     BillingRecord,
+    checked,
     from_json,
-    in_bounds,
     iso_ms,
     seconds,
 )
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LoadError",
-    "checked",
     "csv_records",
     "from_parquet",
     "from_records",
@@ -51,29 +50,6 @@ __all__ = [
 
 class LoadError(Exception):
     """Input that cannot be read as billing records; one line."""
-
-
-def checked(record: BillingRecord) -> BillingRecord:
-    """`record` if every number of it is one the aggregator can write, else ValueError: the
-    codecs take NaN, infinities and negatives as decimals, and such a record would fail the
-    report's arithmetic or bill a negative amount."""
-    for name in BillingRecord.__struct_fields__:
-        value = getattr(record, name)
-        if isinstance(value, Decimal) and not value.is_finite():
-            raise ValueError(f"{name} is not a finite number")
-    try:
-        ok = in_bounds(record)
-    except ArithmeticError:  # an exponent beyond what Decimal's context computes with
-        ok = False
-    if not ok:
-        raise ValueError(f"a number outside [0, {RECORD_MAX}] (seconds in milli-units)")
-    # What no aggregator writes, and a bill would count: a window that ends where or before it
-    # starts, a record no id names (one per id is billed).
-    if record.window_end_ms <= record.window_start_ms:
-        raise ValueError("window_end is not after window_start")
-    if not record.record_id:
-        raise ValueError("record_id is empty")
-    return record
 
 
 _HINTS = typing.get_type_hints(BillingRecord)
@@ -178,7 +154,7 @@ def _read_jsonl(path: Path) -> Iterator[BillingRecord]:
             for i, line in enumerate(f, start=1):
                 if line.strip():
                     try:
-                        record = checked(from_json(line))
+                        record = from_json(line)
                     except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
                         raise LoadError(f"{path}:{i}: not a billing record: {e}") from None
                     except RecursionError:
