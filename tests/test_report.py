@@ -476,6 +476,10 @@ def test_prices_exact_before_glob_before_default_and_adjustments() -> None:
     assert p.price("Tesla T4") == Decimal("1.1")
     assert p.factor("research", {"team": "vision"}) == Fraction(88, 100)
     assert p.factor("prod", {"team": "nlp"}) == 1
+    # A GPU without inventory has no model: the default, which a glob matching everything
+    # took from it.
+    everything = Prices.parse('default = 1.1\n[models]\n"*" = 10')
+    assert (everything.price(""), everything.price("Tesla T4")) == (Decimal("1.1"), 10)
 
 
 @pytest.mark.parametrize(
@@ -490,6 +494,8 @@ def test_prices_exact_before_glob_before_default_and_adjustments() -> None:
         # matched no record's labels: an adjustment never applied, without a word
         ('[labels]\n"" = {a = 0.1}', "labels.'' is not a label key"),
         ('[labels."team x"]\na = 0.1', "labels.'team x' is not a label key"),
+        # a pod without the label is grouped under "" too: it was priced as the value
+        ('[labels.team]\n"" = -1', "labels.team: an empty value cannot be told from no label"),
     ],
 )
 def test_bad_prices_are_one_clear_line(text: str, message: str) -> None:

@@ -119,13 +119,21 @@ class Prices:
                 raise PriceError(f"{where}: labels.{name!r} is not a label key")
             if not isinstance(values, dict):
                 raise PriceError(f"{where}: labels.{name} must be a table of value = adjustment")
+            if "" in values:
+                # A report groups a pod without the label under "" too: it was priced so.
+                raise PriceError(
+                    f"{where}: labels.{name}: an empty value cannot be told from no label"
+                )
             labels[name] = {
                 k: _adjustment(f"{where}: labels.{name}.{k}", v) for k, v in values.items()
             }
         return cls(currency.upper(), default, tuple(models), namespaces, labels)
 
     def price(self, model: str) -> Decimal:
-        """Per GPU-hour: the exact name, else the first glob that matches, else the default."""
+        """Per GPU-hour: the exact name, else the first glob that matches, else the default
+        (for no model, "": a GPU without inventory, which `"*"` matched)."""
+        if not model:
+            return self.default
         for name, p in self.models:
             if name == model:
                 return p
