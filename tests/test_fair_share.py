@@ -297,6 +297,23 @@ def test_one_gpu_listed_twice_by_a_container_is_observed_once() -> None:
     assert c.sm_limit_percent_seconds == 60 * 60
 
 
+def test_the_peak_of_a_gpu_listed_twice_is_of_the_slices_summed_use() -> None:
+    """The record adds the slices' use up: its peak is the largest sum in effect, not the
+    largest slice's (1 GiB on each slice all window long peaked at 1 GiB, below the 2 GiB
+    average), nor the sum of each slice's own peak."""
+    n = Node()
+    slices = [DeviceLimit(0, "GPU-A", 8 * GiB, 30), DeviceLimit(1, "GPU-A", 8 * GiB, 30)]
+    events: list[Event] = [n.inventory(0, [("GPU-A", 80 * GiB)]), n.appeared(0, 1, slices)]
+    for t, (a, b) in [(0, (GiB, 2 * GiB)), (30_000, (3 * GiB, GiB // 2))]:
+        rows = [UsageRow(1, 1, d, m, 0, 0, m, 0, 10) for d, m in ((0, a), (1, b))]
+        events.append(n.sample(t, 1, *rows))
+    events.append(n.sample(50_000, 1, *rows))  # (restated within max_gap)
+    records, _ = until_gone(n, events, "cores")
+    (c,) = [r for r in records if r.kind == "container"]
+    assert c.peak_memory_bytes == 3 * GiB + GiB // 2  # (one slice's peak 3, the two's 5 GiB)
+    assert c.memory_byte_seconds == (3 * GiB * 30 + (3 * GiB + GiB // 2) * 30)
+
+
 def test_the_gauges_add_up_a_gpu_listed_twice_as_its_record_does() -> None:
     n = Node()
     slices = [DeviceLimit(0, "GPU-A", 8 * GiB, 30), DeviceLimit(1, "GPU-A", 24 * GiB, 30)]

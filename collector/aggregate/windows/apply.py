@@ -327,6 +327,7 @@ def forget(ig: Integrator, tr: Track) -> None:
         d.settle()
         d.uuid = None
         d.limit = d.sm_limit = 0
+    tr.slices = False
     tr.limits_ts = None
 
 
@@ -362,5 +363,7 @@ def set_limits(ig: Integrator, tr: Track, devices: list[DeviceLimit], t: int, of
             # A limit no device has: its usage is still attributed, the limit billed as 0.
             ig.stats.refused_values += 1
             dev.limit = dev.sm_limit = 0
+    uuids = [x.uuid for x in table.values()]
+    tr.slices = len(set(uuids)) < len(uuids)
     tr.limits_ts = t
     tr.limits_off = off

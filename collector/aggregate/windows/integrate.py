@@ -10,9 +10,11 @@ and counted (per key, in key-milliseconds) in `stats.unobserved_ms`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .output import Output
 from .settings import NEVER, RETAIN_GAPS, WindowSettings
-from .state import Key, Track
+from .state import Device, Key, Track
 from .stats import AggregateStats
 
 __all__ = ["Integrator"]
@@ -91,6 +93,8 @@ class Integrator:
                             div[-1][1] = c
                         else:
                             div.append([a, c])
+            if tr.slices:
+                _slice_peaks(devs)
             a = c
 
     def expire(self, tr: Track, t: int) -> int:
@@ -129,3 +133,16 @@ class Integrator:
         sample_ts = tr.expired.pop(k, None)
         if sample_ts is not None:
             self.stats.unobserved_ms += max(0, t - sample_ts - self.gap)
+
+
+def _slice_peaks(devs: Iterable[Device]) -> None:
+    """The slices of one UUID are one record: its peak is their summed use, so each slice's
+    peak is taken up to the sum (the record's is the largest of its slices')."""
+    sums: dict[str, int] = {}
+    for d in devs:
+        if d.nkeys and d.uuid is not None:
+            sums[d.uuid] = sums.get(d.uuid, 0) + d.total
+    for d in devs:
+        total = sums.get(d.uuid) if d.uuid is not None else None
+        if total is not None and total > d.peak:
+            d.peak = total

@@ -4,10 +4,11 @@ and per GPU the fair-share allocation of its observed time (`allocate`).
 Groups that map to the same row (node, pod_uid, container, device_uuid) in one window are added
 up (integrals, samples, observed time, present time per limits); the peak is the largest of
 theirs. A container whose device table lists one UUID at several indices holds each of those
-slices (their limits, shares and usage add up), but is present on that GPU once: its observed
-time counts once per row. Integrals are exact integers in milli-units until the record is
-built. Each container row is named by its pod's identity for that window (`identity`); a row
-without one is counted in `unnamed_records`.
+slices (their limits, shares and usage add up, and the peak is of their summed use:
+`integrate`), but is present on that GPU once: its observed time counts once per row.
+Integrals are exact integers in milli-units until the record is built. Each container row is
+named by its pod's identity for that window (`identity`); a row without one is counted in
+`unnamed_records`.
 
 A GPU (node, device_uuid) is observed in a window while a named container that lists it is
 present or its node row has a live key: the union of those intervals. It gets one `gpu` and one

@@ -214,6 +214,7 @@ class Track:
         "run",
         "run_off",
         "run_seq",
+        "slices",
         "source",
         "stated",
         "uuids",
@@ -230,6 +231,7 @@ class Track:
         self.devs: dict[int, Device] = {}
         self.limits_ts: int | None = None
         self.limits_off = 0
+        self.slices = False  # the table lists a UUID at several indices (`Integrator.integrate`)
         # live usage: key -> [total, monitor, sm_util, sample ts, offset]
         self.keys: dict[Key, list[int]] = {}
         # the last in-bounds sample's rows: (pid, hostpid, device, Device, value list) (apply)
