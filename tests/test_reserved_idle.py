@@ -52,6 +52,26 @@ def half_gpu_busy_then_idle(inventory: bool) -> list[Event]:
 
 
 @pytest.mark.parametrize("policy", ["cores", "memory", "max"])
+def test_slices_of_one_gpu_are_idle_only_while_none_of_them_is_busy(policy: Policy) -> None:
+    """Two 30 % slices of GPU-A, one record: its process runs at 50 % SM on slice 0 for 20 s,
+    then at 0 %; slice 1 holds a process at 0 % all along. The GPU is busy for 20 s, idle for
+    40: slice 1 was counted idle on its own all along (18 s of the 36 s allocated, not 24)."""
+    n = Node()
+    slices = [DeviceLimit(0, "GPU-A", 8 * GiB, 30), DeviceLimit(1, "GPU-A", 8 * GiB, 30)]
+    quiet = UsageRow(2, 3, 1, GiB, 0, 0, GiB, 0, 0)
+    events: list[Event] = [
+        n.appeared(0, 1, slices),
+        n.sample(0, 1, UsageRow(1, 2, 0, GiB, 0, 0, GiB, 0, 50), quiet),
+        n.sample(20_000, 1, UsageRow(1, 2, 0, GiB, 0, 0, GiB, 0, 0), quiet),
+        n.sample(40_000, 1, UsageRow(1, 2, 0, GiB, 0, 0, GiB, 0, 0), quiet),
+        n.gone(60_000, 1),
+    ]
+    records, _ = run(events, policy)
+    alloc, _, idle = container(records, "pod-1")
+    assert (alloc, idle) == (36_000, 24_000)  # 60 % x 60 s, 60 % x 40 s
+
+
+@pytest.mark.parametrize("policy", ["cores", "memory", "max"])
 @pytest.mark.parametrize("inventory", [True, False])
 def test_half_a_gpu_busy_20_s_idle_40_s(policy: Policy, inventory: bool) -> None:
     records, _ = run(half_gpu_busy_then_idle(inventory), policy)

@@ -66,12 +66,15 @@ class Integrator:
                     ivs[-1][1] = a + pdt
                 else:
                     ivs.append([a, a + pdt])
+            # (the slices of one UUID are one GPU: idle while none of them is busy)
+            busy = _busy(devs) if tr.slices else None
             for d in devs:
+                gpu_sm = d.sm if busy is None or d.uuid is None else busy[d.uuid]
                 if pdt:
                     d.lim += d.limit * pdt
                     d.smlim += d.sm_limit * pdt
                     d.pres += pdt
-                    if not d.sm:  # reserved but idle: no SM activity, or no live key
+                    if not gpu_sm:  # reserved but idle: no SM activity, or no live key
                         d.ipres += pdt
                 if d.nkeys:
                     total = d.total
@@ -83,7 +86,7 @@ class Integrator:
                     if pdt:
                         d.pmem += total * pdt
                         d.psm += sm * pdt
-                        if not sm:
+                        if not gpu_sm:
                             d.imem += total * pdt
                     if total > d.peak:
                         d.peak = total
@@ -146,3 +149,12 @@ def _slice_peaks(devs: Iterable[Device]) -> None:
         total = sums.get(d.uuid) if d.uuid is not None else None
         if total is not None and total > d.peak:
             d.peak = total
+
+
+def _busy(devs: Iterable[Device]) -> dict[str, int]:
+    """Per UUID, the SM activity of its slices with a live key."""
+    out: dict[str, int] = {}
+    for d in devs:
+        if d.uuid is not None:
+            out[d.uuid] = out.get(d.uuid, 0) + (d.sm if d.nkeys else 0)
+    return out
