@@ -22,6 +22,7 @@ from collector.aggregate.records import (
     BillingRecord,
     csv_row,
     decimal_text,
+    from_json,
     from_msgpack,
     in_bounds,
     jsonl_line,
@@ -282,11 +283,12 @@ def rec(milli: int) -> BillingRecord:
 
 @given(
     milli=st.one_of(
-        st.integers(10**12, 10**21),  # 1e9 .. 1e18 byte-seconds
-        st.sampled_from([10**12, 2_250_000_000_000_123, 10**21 - 1, 10**21]),
+        # 1e9 byte-seconds up to the most a record holds (RECORD_MAX milli-units, 9.2e15)
+        st.integers(10**12, RECORD_MAX - 7),
+        st.sampled_from([10**12, 2_250_000_000_000_123, RECORD_MAX - 8, RECORD_MAX - 7]),
     )
 )
-def test_seconds_are_exact_in_csv_jsonl_and_msgpack_from_1e9_to_1e18(milli: int) -> None:
+def test_seconds_are_exact_in_csv_jsonl_and_msgpack_from_1e9_to_the_bound(milli: int) -> None:
     r = rec(milli)
     text = csv_row(r)[CSV_FIELDS.index("memory_byte_seconds")]
     q, m = divmod(milli, 1000)
@@ -294,4 +296,11 @@ def test_seconds_are_exact_in_csv_jsonl_and_msgpack_from_1e9_to_1e18(milli: int)
     assert int(text.replace(".", "")) == milli
     assert f'"memory_byte_seconds":{text},' in jsonl_line(r).decode()
     assert msgspec.json.decode(jsonl_line(r), type=BillingRecord) == r
-    assert from_msgpack(to_msgpack(r)) == r
+    assert from_msgpack(to_msgpack(r)) == r == from_json(jsonl_line(r))
+
+
+def test_a_record_past_the_bound_is_refused_by_every_decode() -> None:
+    r = rec(RECORD_MAX - 6)  # (its NVML integral, + 7, is one past)
+    for read, value in ((from_msgpack, to_msgpack(r)), (from_json, jsonl_line(r))):
+        with pytest.raises(ValueError, match="outside"):
+            read(value)
