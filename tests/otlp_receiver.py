@@ -58,6 +58,7 @@ class MetricView:
     temporality: int | None
     points: dict[Attrs, float | int]
     start_times: dict[Attrs, int] = field(default_factory=dict)
+    times: dict[Attrs, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Received:
                         value_kind = p.WhichOneof("value")
                         view.points[key] = getattr(p, value_kind)
                         view.start_times[key] = p.start_time_unix_nano
+                        view.times[key] = p.time_unix_nano
                     out[m.name] = view
         return out
 

@@ -240,6 +240,34 @@ def test_two_windows_counters_and_gauges(receiver: OtlpReceiver) -> None:
     assert exporter.successful_exports == 3
 
 
+def test_every_counter_counts_from_when_the_exporter_was_made(receiver: OtlpReceiver) -> None:
+    """The totals hold every window since the exporter was made, but the SDK started a series
+    at the collection that first observed it: a first point holding a closed window (or a
+    drain's whole backlog) started a millisecond before its time, and a backend reading start
+    times saw that window accrue in a millisecond (Prometheus drops a created timestamp not
+    before its sample's)."""
+    made = time.time_ns()
+    exporter = OtlpExporter(receiver.endpoint, service_instance="aggregator-0", timeout_s=5)
+    try:
+        time.sleep(0.05)
+        exporter.record_window([make_record(1, "trainer", 1.0)])
+        assert exporter.flush() is True
+        time.sleep(0.05)
+        exporter.record_window([make_record(2, "sidecar", 0.5)])  # a series of the second push
+        assert exporter.flush() is True
+    finally:
+        exporter.shutdown()
+    first, second = receiver.wait_for(2)[:2]
+    starts = set()
+    for got in (first, second):
+        for name in COUNTER_NAMES:
+            m = got.metrics()[name]
+            starts |= set(m.start_times.values())
+            assert all(m.times[k] - m.start_times[k] >= 40_000_000 for k in m.times)
+    (start,) = starts
+    assert made <= start <= made + 40_000_000
+
+
 def test_gauges_report_only_the_latest_list(receiver: OtlpReceiver) -> None:
     a = Gauge("node-a", "uid-1", "c1", GPU, 10, 100, 50, 11)
     b = Gauge("node-a", "uid-2", "c2", GPU, 20, 200, 25, 21)

@@ -144,7 +144,10 @@ def test_limits_are_billed_only_while_the_container_runs(tmp_path: Path) -> None
     agg = Aggregator(WindowSettings())
     for i, e in enumerate(events):
         agg.add("n1", e, offset=i)
+    # The OTLP gauges: a limit only for what runs, from events still pending too.
+    assert {g.pod_uid: g.memory_limit_bytes for g in agg.gauges()} == {DEP: GiB}
     records = agg.flush()
+    assert agg.gauges() == []  # (every value ran to its cap)
     limit = {r.pod_uid: r.memory_limit_byte_seconds for r in records if r.window_start_ms == T0}
     assert limit == {JOB: 4 * GiB * 27, DEP: 1 * GiB * 60, LOST: Decimal(2 * GiB * 39.5), "": 0}
     alloc = {r.pod_uid: r.allocated_gpu_seconds for r in records
@@ -163,7 +166,6 @@ def test_limits_are_billed_only_while_the_container_runs(tmp_path: Path) -> None
     # The OTLP gauges: a limit only for what runs, from events still pending too.
     assert {g.pod_uid: g.memory_limit_bytes for g in step.gauges()} == {DEP: GiB}
     assert out + step.flush() == records
-    assert {g.pod_uid: g.memory_limit_bytes for g in agg.gauges()} == {DEP: GiB}
 
 
 def test_the_gauges_of_a_node_that_falls_silent_stop_once_its_values_lapse() -> None:
@@ -180,6 +182,20 @@ def test_the_gauges_of_a_node_that_falls_silent_stop_once_its_values_lapse() -> 
     agg.idle(T0 + 1_000 + WindowSettings().max_gap_ms - 1)
     assert [(g.memory_limit_bytes, g.memory_used_bytes) for g in agg.gauges()] == [(1000, 100)]
     agg.idle(T0 + 1_000 + WindowSettings().max_gap_ms)
+    assert agg.gauges() == []
+
+
+def test_after_a_drain_no_gauge_is_left_with_its_limit_and_no_usage() -> None:
+    """`flush` (a drain's end) runs every value to its cap: the gauges were still judged as of
+    the newest event, so the usage was gone (0) and the limits still reported, in the drain's
+    last push; they are judged as of the flush now, as the records are."""
+    c = Collector()
+    agg = Aggregator(WindowSettings())
+    events = [c.appeared(T0, devices=[dev(0)]), c.sample(T0 + 1_000, row(1, 100))]
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i, record_ts_ms=e.ts)
+    assert [(g.memory_limit_bytes, g.memory_used_bytes) for g in agg.gauges()] == [(1000, 100)]
+    assert agg.flush()
     assert agg.gauges() == []
 
 

@@ -64,7 +64,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Literal
@@ -94,6 +94,7 @@ from opentelemetry.sdk.metrics.export import (
     MetricExportResult,
     MetricReader,
     MetricsData,
+    Sum,
 )
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
@@ -356,6 +357,7 @@ class _OnDemandReader(MetricReader):
         self._exporter = exporter
         self._result: MetricExportResult | None = None
         self.overflow = False
+        self.started_ns = time.time_ns()  # what the counters count since
 
     def _receive_metrics(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
@@ -363,6 +365,7 @@ class _OnDemandReader(MetricReader):
         self.overflow = self.overflow or _has_overflow(metrics_data)
         token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
         try:
+            metrics_data = _counting_since(metrics_data, self.started_ns)
             self._result = self._exporter.export(metrics_data, timeout_millis=timeout_millis)
         except Exception:
             _log.exception("OTLP metric export raised")
@@ -381,6 +384,28 @@ class _OnDemandReader(MetricReader):
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         self._exporter.shutdown(timeout_millis=timeout_millis)
+
+
+def _counting_since(metrics_data: MetricsData, started_ns: int) -> MetricsData:
+    """`metrics_data` with every counter point's start time `started_ns`. The totals count
+    every window since the exporter was made, but the SDK starts a series at the collection
+    that first observes it: its first point, holding windows already closed, started a
+    millisecond before it (a rate of 149 GPU-seconds in 1 ms; Prometheus drops a created
+    timestamp not before its sample's)."""
+
+    def started(m: Any) -> Any:
+        if not isinstance(m.data, Sum):
+            return m
+        points = [replace(p, start_time_unix_nano=started_ns) for p in m.data.data_points]
+        return replace(m, data=replace(m.data, data_points=points))
+
+    resources = [
+        replace(rm, scope_metrics=[
+            replace(sm, metrics=[started(m) for m in sm.metrics]) for sm in rm.scope_metrics
+        ])
+        for rm in metrics_data.resource_metrics
+    ]  # fmt: skip
+    return replace(metrics_data, resource_metrics=resources)
 
 
 def _has_overflow(metrics_data: MetricsData) -> bool:

@@ -74,6 +74,7 @@ class Aggregator:
         self._gap = settings.max_gap_ms
         self._suppress = emitted_until_ms
         self._closed: int | None = None
+        self._flushed: int | None = None  # the time `flush` ran every value to
         self._tracks: dict[tuple[str, int, int], Track] = {}
         self._incs = Incarnations()
         self._guard = NodeGuard(self._incs, self.stats)
@@ -332,6 +333,9 @@ class Aggregator:
         if newest is None:
             return []
         end = newest + self._gap
+        # Every value runs to its cap: the gauges are judged as of then (the limits of a
+        # container whose usage had ended were still reported after a drain).
+        self._flushed = end
         target = -(-end // self._w) * self._w
         if self._closed is not None and target <= self._closed:
             return []
@@ -434,4 +438,4 @@ class Aggregator:
 
     def gauges(self) -> list[Gauge]:
         """Current values per container billing row (see `gauges`)."""
-        return gauges(self._tracks.values(), self._progress, self._gap)
+        return gauges(self._tracks.values(), self._progress, self._gap, self._flushed)

@@ -23,15 +23,20 @@ from .state import Supersede, Track, unpacked
 __all__ = ["gauges"]
 
 
-def gauges(tracks: Iterable[Track], progress: Progress, gap: int) -> list[Gauge]:
+def gauges(
+    tracks: Iterable[Track], progress: Progress, gap: int, flushed: int | None = None
+) -> list[Gauge]:
     """Current values per container billing row, as of the newest event time of its source
-    (events not yet integrated included; late ones judged by their own ts, roughly). Node
-    rows have no gauges."""
+    (events not yet integrated included; late ones judged by their own ts, roughly), or of
+    `flushed` when later (the time `Aggregator.flush` ran every value to). Node rows have no
+    gauges."""
     rows: dict[tuple[str, str, str, str], list[int]] = {}
     for tr in tracks:
         if tr.uuids is not None:
             continue
         now = progress.now(tr.source)
+        if flushed is not None and flushed > now:
+            now = flushed
         ident = None if tr.pod_uid is None else (tr.pod_uid, tr.container)
         table = {i: (d.uuid, d.limit) for i, d in tr.devs.items() if d.uuid is not None}
         limits_ts = -NEVER if tr.limits_ts is None else tr.limits_ts
