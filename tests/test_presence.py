@@ -168,17 +168,23 @@ def test_limits_are_billed_only_while_the_container_runs(tmp_path: Path) -> None
     assert out + step.flush() == records
 
 
-def test_the_gauges_of_a_node_that_falls_silent_stop_once_its_values_lapse() -> None:
-    """Presence in the gauges was judged against the source's newest event, which a source
-    whose only node stopped sending never moves: its containers' gauges, their limits among
-    them, stayed at their last values for good, while the records billed them no more. The
-    record time the source's silence has come to (`Aggregator.idle`) moves it on."""
+def one_container_sampled() -> Aggregator:
+    """An aggregator that read one container's appearance (limit 1000) and one sample (100)."""
     c = Collector()
     agg = Aggregator(WindowSettings())
     events = [c.appeared(T0, devices=[dev(0)]), c.sample(T0 + 1_000, row(1, 100))]
     for i, e in enumerate(events):
         agg.add("n1", e, offset=i, record_ts_ms=e.ts)
     assert [(g.memory_limit_bytes, g.memory_used_bytes) for g in agg.gauges()] == [(1000, 100)]
+    return agg
+
+
+def test_the_gauges_of_a_node_that_falls_silent_stop_once_its_values_lapse() -> None:
+    """Presence in the gauges was judged against the source's newest event, which a source
+    whose only node stopped sending never moves: its containers' gauges, their limits among
+    them, stayed at their last values for good, while the records billed them no more. The
+    record time the source's silence has come to (`Aggregator.idle`) moves it on."""
+    agg = one_container_sampled()
     agg.idle(T0 + 1_000 + WindowSettings().max_gap_ms - 1)
     assert [(g.memory_limit_bytes, g.memory_used_bytes) for g in agg.gauges()] == [(1000, 100)]
     agg.idle(T0 + 1_000 + WindowSettings().max_gap_ms)
@@ -189,12 +195,7 @@ def test_after_a_drain_no_gauge_is_left_with_its_limit_and_no_usage() -> None:
     """`flush` (a drain's end) runs every value to its cap: the gauges were still judged as of
     the newest event, so the usage was gone (0) and the limits still reported, in the drain's
     last push; they are judged as of the flush now, as the records are."""
-    c = Collector()
-    agg = Aggregator(WindowSettings())
-    events = [c.appeared(T0, devices=[dev(0)]), c.sample(T0 + 1_000, row(1, 100))]
-    for i, e in enumerate(events):
-        agg.add("n1", e, offset=i, record_ts_ms=e.ts)
-    assert [(g.memory_limit_bytes, g.memory_used_bytes) for g in agg.gauges()] == [(1000, 100)]
+    agg = one_container_sampled()
     assert agg.flush()
     assert agg.gauges() == []
 
