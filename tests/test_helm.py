@@ -239,6 +239,76 @@ def test_values_reach_the_objects() -> None:
     assert endpoint["metricRelabelings"] == [{"action": "labeldrop", "regex": "exported_node"}]
 
 
+def kafka_of(docs: list[dict[str, Any]], kind: str, name: str, c: str) -> tuple[Any, ...]:
+    """(user name, password Secret, TLS Secret) a container connects to Kafka with."""
+    env = {e["name"]: e.get("value") for e in container(docs, kind, name, c)["env"]}
+    volumes = {v["name"]: v for v in find(docs, kind, name)["spec"]["template"]["spec"]["volumes"]}
+    return (
+        env["HAMI_USAGE_KAFKA_USERNAME"],
+        volumes["kafka-sasl"]["secret"]["secretName"],
+        volumes["kafka-tls"]["secret"]["secretName"],
+    )
+
+
+def test_each_workload_may_be_a_principal_of_its_own() -> None:
+    """The collector, the aggregator and the topics Job had to share one Kafka principal: the
+    collector on every GPU node then held the aggregator's and the admin's rights (billing
+    records, topic creation), or the aggregator and the Job were refused."""
+    docs = template(
+        *ALL_VALUES,
+        "kafka.workloads.collector.username=collector",
+        "kafka.workloads.collector.passwordSecret.name=kafka-collector",
+        "kafka.workloads.topics.username=admin",
+        "kafka.workloads.topics.passwordSecret.name=kafka-admin",
+        "kafka.workloads.topics.tlsSecretName=kafka-admin-tls",
+    )
+    assert kafka_of(docs, "DaemonSet", "hami-usage-collector", "collector") == (
+        "collector", "kafka-collector", "kafka-ca"
+    )  # fmt: skip
+    assert kafka_of(docs, "StatefulSet", "hami-usage-aggregator", "aggregator") == (
+        "metering", "kafka-user", "kafka-ca"
+    )  # fmt: skip
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    assert kafka_of(docs, "Job", job["metadata"]["name"], "topics") == (
+        "admin", "kafka-admin", "kafka-admin-tls"
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (("kafka.tls.secretName=kafka-ca",), "needs kafka.securityProtocol SSL or SASL_SSL"),
+        (("kafka.securityProtocol=SSL", "kafka.sasl.mechanism=PLAIN"), "needs kafka.securi"),
+        (("kafka.securityProtocol=SASL_SSL",), "SASL_SSL needs kafka.sasl.mechanism"),
+        (("kafka.securityProtocol=TLS",), 'kafka.securityProtocol "TLS": one of PLAINTEXT'),
+        (("kafka.securityProtocol=SASL_SSL", "kafka.sasl.mechanism=SCRAM"), "one of PLAIN, SCR"),
+    ],
+)
+def test_kafka_values_the_program_refuses_are_refused_by_the_chart(
+    values: tuple[str, ...], message: str
+) -> None:
+    """Each rendered and installed, then every collector, aggregator and topics pod exited 2
+    at start (a crash loop): a TLS Secret with the protocol left at PLAINTEXT the easiest."""
+    result = on_chart("template", values, VERSIONS[0])
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_the_config_value_replaces_config_toml() -> None:
+    """`[topics]`' replication_factor = 3 (the hook Job failed on a Kafka of fewer brokers,
+    and with it the release), pod_labels and the window could not be set."""
+    text = '[topics]\nreplication_factor = 1\n\n[aggregate]\nwindow = 300\n'
+    result = helm("template", "m", str(CHART), "--set-string", f"config={text}")
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    config = find(docs, "ConfigMap", "hami-usage-config")["data"]["config.toml"]
+    assert config == text
+    before = find(template(), "DaemonSet", "hami-usage-collector")["spec"]["template"]
+    after = find(docs, "DaemonSet", "hami-usage-collector")["spec"]["template"]
+    key = "checksum/config"
+    assert before["metadata"]["annotations"][key] != after["metadata"]["annotations"][key]
+
+
 def test_without_the_example_collector() -> None:
     docs = template("otelCollector.enabled=false", "aggregator.otlpEndpoint=http://otel:4318")
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}

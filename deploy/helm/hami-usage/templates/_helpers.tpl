@@ -67,24 +67,45 @@ kind: ConfigMap
 metadata:
   name: hami-usage-config
 data:
-  config.toml: {{ .Files.Get "files/config.toml" | toJson }}
+  config.toml: {{ .Values.config | default (.Files.Get "files/config.toml") | toJson }}
   kafka-bootstrap: {{ .Values.kafka.bootstrap | toJson }}
 {{- end -}}
 
-{{/* Kafka security for one container: environment (HAMI_USAGE_KAFKA_*) and the Secrets as
-read-only files (a password never travels as a flag or a plain variable). */}}
+{{/* Kafka security for one container of `workload` (collector, aggregator, topics):
+environment (HAMI_USAGE_KAFKA_*) and the Secrets as read-only files (a password never travels
+as a flag or a plain variable). What the program would refuse at start (exit 2, every pod in
+a crash loop) is refused here. */}}
 {{- define "hami-usage.kafka" -}}
 {{- $k := .root.Values.kafka -}}
+{{- $w := index ($k.workloads | default dict) .workload | default dict -}}
+{{- $tlsSecret := $w.tlsSecretName | default $k.tls.secretName -}}
+{{- $username := $w.username | default $k.sasl.username -}}
+{{- $password := mergeOverwrite (deepCopy $k.sasl.passwordSecret) ($w.passwordSecret | default dict) -}}
 {{- $spec := .spec -}}
 {{- $c := .container -}}
 {{- $env := $c.env | default list -}}
 {{- $mounts := $c.volumeMounts | default list -}}
 {{- $volumes := $spec.volumes | default list -}}
+{{- if not (has $k.securityProtocol (list "PLAINTEXT" "SSL" "SASL_SSL")) -}}
+{{- fail (printf "kafka.securityProtocol %q: one of PLAINTEXT, SSL, SASL_SSL" $k.securityProtocol) -}}
+{{- end -}}
+{{- if and $tlsSecret (eq $k.securityProtocol "PLAINTEXT") -}}
+{{- fail "kafka.tls.secretName needs kafka.securityProtocol SSL or SASL_SSL" -}}
+{{- end -}}
+{{- if and $k.sasl.mechanism (ne $k.securityProtocol "SASL_SSL") -}}
+{{- fail "kafka.sasl.mechanism needs kafka.securityProtocol SASL_SSL" -}}
+{{- end -}}
+{{- if and (eq $k.securityProtocol "SASL_SSL") (not $k.sasl.mechanism) -}}
+{{- fail "kafka.securityProtocol SASL_SSL needs kafka.sasl.mechanism" -}}
+{{- end -}}
+{{- if and $k.sasl.mechanism (not (has $k.sasl.mechanism (list "PLAIN" "SCRAM-SHA-256" "SCRAM-SHA-512"))) -}}
+{{- fail (printf "kafka.sasl.mechanism %q: one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512" $k.sasl.mechanism) -}}
+{{- end -}}
 {{- if ne $k.securityProtocol "PLAINTEXT" -}}
 {{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_SECURITY_PROTOCOL" "value" $k.securityProtocol) -}}
 {{- end -}}
-{{- if $k.tls.secretName -}}
-{{- $volumes = append $volumes (dict "name" "kafka-tls" "secret" (dict "secretName" $k.tls.secretName)) -}}
+{{- if $tlsSecret -}}
+{{- $volumes = append $volumes (dict "name" "kafka-tls" "secret" (dict "secretName" $tlsSecret)) -}}
 {{- $mounts = append $mounts (dict "name" "kafka-tls" "mountPath" "/etc/hami-usage/kafka-tls" "readOnly" true) -}}
 {{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_CA_FILE" "value" (printf "/etc/hami-usage/kafka-tls/%s" $k.tls.caKey)) -}}
 {{- if $k.tls.certKey -}}
@@ -97,9 +118,9 @@ read-only files (a password never travels as a flag or a plain variable). */}}
 {{- end -}}
 {{- if $k.sasl.mechanism -}}
 {{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_SASL_MECHANISM" "value" $k.sasl.mechanism) -}}
-{{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_USERNAME" "value" (required "kafka.sasl.username is needed with kafka.sasl.mechanism" $k.sasl.username)) -}}
-{{- $secret := required "kafka.sasl.passwordSecret.name is needed with kafka.sasl.mechanism" $k.sasl.passwordSecret.name -}}
-{{- $items := list (dict "key" $k.sasl.passwordSecret.key "path" "password") -}}
+{{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_USERNAME" "value" (required "kafka.sasl.username is needed with kafka.sasl.mechanism" $username)) -}}
+{{- $secret := required "kafka.sasl.passwordSecret.name is needed with kafka.sasl.mechanism" $password.name -}}
+{{- $items := list (dict "key" $password.key "path" "password") -}}
 {{- $volumes = append $volumes (dict "name" "kafka-sasl" "secret" (dict "secretName" $secret "items" $items)) -}}
 {{- $mounts = append $mounts (dict "name" "kafka-sasl" "mountPath" "/etc/hami-usage/kafka-sasl" "readOnly" true) -}}
 {{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_PASSWORD_FILE" "value" "/etc/hami-usage/kafka-sasl/password") -}}
