@@ -331,3 +331,32 @@ def test_a_running_gate_read_before_its_late_announcement_is_kept_whenever_windo
     assert [r.pod_uid for r in every if r.kind == "container"] == ["pod-2", "pod-2"]
     gpu = [r for r in every if r.kind == "gpu" and r.window_start_ms == 60_000]
     assert [ms(r.allocated_gpu_seconds) for r in gpu] == [30_000]  # pod-2's half of 60 s
+
+
+def test_a_running_gate_read_first_leaves_its_late_announcement_the_presence() -> None:
+    """The gate's own time keeps it (`_prune`), not the track's last event: a `ContainerRun`
+    (running from 58 s) read before the container's `ContainerAppeared` (42 s), which comes at
+    100 s, after [0, 60 s) closed. The late announcement still makes the container present, so
+    [60 s, 120 s) bills it whole, as the windows after it do; taking the gate's time for the
+    track's last event billed 10 s of it (from its first own sample at 110 s)."""
+    n = Node()
+    devs = [DeviceLimit(0, "GPU-A", 8 * GiB, 50)]
+    appeared = n.appeared(42_000, 1, devs)
+    events: list[Event] = [
+        n.appeared(0, 2, devs),
+        ContainerRun(1, n.inc, n._n(), 58_000, 1, True, 58_000, "started"),
+    ]
+    for t in range(10_000, 240_000, 10_000):
+        if t == 100_000:
+            events.append(appeared)
+        events.append(n.sample(t, 2, UsageRow(2, 2, 0, GiB, 0, 0, GiB, 0, 10)))
+        if t > 100_000:
+            events.append(n.sample(t + 1, 1, UsageRow(3, 3, 0, GiB, 0, 0, GiB, 0, 10)))
+    events += [n.gone(240_000, 1), n.gone(240_000, 2)]
+    every, _ = run(events, "cores")
+    pod1 = [r for r in every if r.kind == "container" and r.pod_uid == "pod-1"]
+    assert [(r.window_start_ms, ms(r.observed_seconds)) for r in pod1] == [
+        (60_000, 60_000),
+        (120_000, 60_000),
+        (180_000, 60_000),
+    ]

@@ -403,9 +403,10 @@ class Aggregator:
                 tr.pending
                 or tr.nkeys
                 or (tr.alive and tr.last_ts + gap > closed)
-                # a name, or a running gate a late announcement would take (`ContainerRun`
-                # read before the container's `ContainerAppeared`), kept as long
-                or ((tr.pod_uid is not None or tr.run is not None) and tr.last_ts + retain > closed)
+                or (tr.pod_uid is not None and tr.last_ts + retain > closed)
+                # a running gate a late announcement would take (`ContainerRun` read before the
+                # container's `ContainerAppeared`), kept as long as a name
+                or (tr.run is not None and max(tr.last_ts, tr.run_ts) + retain > closed)
                 # an end is kept while a late event from before it could still bill
                 or (tr.gone_ts is not None and tr.gone_ts > closed - gap)
             ):

@@ -97,8 +97,8 @@ def apply(ig: Integrator, tr: Track, e: Entry) -> None:
         runs.restate(tr, p.running, e[2], off)
     elif isinstance(p, ContainerRun):
         runs.switch(tr, p, e[2], off)
-        if tr.pod_uid is None and t > tr.last_ts:
-            tr.last_ts = t  # (an unnamed track keeps its gate as long as a name: `_prune`)
+        if t > tr.run_ts:
+            tr.run_ts = t
     elif isinstance(p, ContainerGone | Supersede):
         gone(ig, tr, t, off)
     elif isinstance(p, NodeDeviceSample):

@@ -70,6 +70,8 @@ def apply_late(ig: Integrator, tr: Track, e: Entry, batch: list[Entry]) -> None:
     closed = e[0]
     if isinstance(p, ContainerRun):
         runs.late(tr, p, e[2], off)
+        if ts > tr.run_ts:
+            tr.run_ts = ts
         return
     if isinstance(p, ContainerGone | Supersede):
         _end_late(ig, tr, ts, off, closed, lambda k: True)

@@ -214,6 +214,7 @@ class Track:
         "run",
         "run_off",
         "run_seq",
+        "run_ts",
         "slices",
         "source",
         "stated",
@@ -253,6 +254,7 @@ class Track:
         self.run: bool | None = None
         self.run_seq = -1
         self.run_off = -1
+        self.run_ts = -NEVER  # the newest ContainerRun's time: how long the gate is kept (`_prune`)
         self.cut: int | None = None  # where a newer incarnation ended this one
         self.pending: list[Entry] = []
         # applied entries of the last HISTORY_GAPS x max_gap: only late events consult them
