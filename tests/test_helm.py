@@ -282,6 +282,13 @@ def test_each_workload_may_be_a_principal_of_its_own() -> None:
         (("kafka.securityProtocol=SASL_SSL",), "SASL_SSL needs kafka.sasl.mechanism"),
         (("kafka.securityProtocol=TLS",), 'kafka.securityProtocol "TLS": one of PLAINTEXT'),
         (("kafka.securityProtocol=SASL_SSL", "kafka.sasl.mechanism=SCRAM"), "one of PLAIN, SCR"),
+        # a principal the program would refuse (`kafka_username needs ... SASL_SSL`)
+        (("kafka.sasl.username=u",), "needs kafka.sasl.mechanism and kafka.securityProtocol"),
+        (("kafka.workloads.topics.username=t",), "kafka.workloads.topics) needs kafka.sasl"),
+        (
+            ("kafka.securityProtocol=SSL", "kafka.workloads.aggregator.passwordSecret.name=p"),
+            "kafka.workloads.aggregator) needs kafka.sasl.mechanism",
+        ),
     ],
 )
 def test_kafka_values_the_program_refuses_are_refused_by_the_chart(

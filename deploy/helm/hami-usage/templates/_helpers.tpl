@@ -98,6 +98,9 @@ a crash loop) is refused here. */}}
 {{- if and (eq $k.securityProtocol "SASL_SSL") (not $k.sasl.mechanism) -}}
 {{- fail "kafka.securityProtocol SASL_SSL needs kafka.sasl.mechanism" -}}
 {{- end -}}
+{{- if and (or $username $password.name) (not $k.sasl.mechanism) -}}
+{{- fail (printf "a Kafka username or passwordSecret (kafka.sasl or kafka.workloads.%s) needs kafka.sasl.mechanism and kafka.securityProtocol SASL_SSL" .workload) -}}
+{{- end -}}
 {{- if and $k.sasl.mechanism (not (has $k.sasl.mechanism (list "PLAIN" "SCRAM-SHA-256" "SCRAM-SHA-512"))) -}}
 {{- fail (printf "kafka.sasl.mechanism %q: one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512" $k.sasl.mechanism) -}}
 {{- end -}}
