@@ -56,8 +56,13 @@ from collector.simulate import MiB, NodeSimulator  # noqa: E402
 
 
 def steady_step(sim: NodeSimulator, rng: random.Random, churn: float) -> Callable[[], None]:
+    # Each step is one second of the node's life, whatever the wall clock says (the rounds
+    # run back to back): `last_kernel_time` is in seconds, so it moves at every step.
+    clock = [time.time()]
+
     def step() -> None:
-        now = time.time()
+        clock[0] += 1.0
+        now = clock[0]
         for c in sim.containers:
             c.writer.kernel_launched(now)
             if rng.random() >= churn or not c.procs:
