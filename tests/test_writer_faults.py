@@ -500,6 +500,34 @@ def test_a_process_that_lived_between_two_scans_past_proc_num_is_no_orphan(
     assert kinds(s.scan()) == []
 
 
+def test_a_mover_past_the_highest_count_seen_is_followed_while_nothing_else_changes(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    """proc_num rises to 5 and falls to 2 between two scans: 14 and 13 are moved down, and
+    14 keeps writing slot 4, past the slots read by default (up to the highest count a scan
+    saw, 2, and two more). The check reads on there because slot 3 holds a copy; a check that
+    had to read on is never taken as quiet, since bytes unchanged up to slot 4 say nothing of
+    slot 4. Taken as quiet, 14's 3 GiB written there went unbilled for as long as nothing
+    below changed (2 GiB billed for 5)."""
+    w = writer(tmp_path, writers, "stale-pointer")
+    for pid in (10, 11):
+        w.add_process(pid, 1000 + pid)
+        w.add_memory(pid, 0, "data", GiB)
+    s = scanner(tmp_path)
+    s.scan()
+    for pid in (12, 13, 14):
+        w.add_process(pid, 1000 + pid)
+        w.add_memory(pid, 0, "data", GiB)
+    for pid in (10, 11, 12):
+        w.exit(pid)
+    w.compact()
+    assert (w.proc_num, w.pointer) == (2, {14: 4, 13: 3})
+    assert kinds(s.scan()) == kinds(s.scan()) == []
+    w.add_memory(14, 0, "data", 3 * GiB)  # through its stale pointer: slot 4 alone changes
+    assert kinds(s.scan()) == [("orphaned_slot", 4, 14)]
+    assert billed(s) == truth(w) == {0: 5 * GiB, 1: 0}
+
+
 def test_the_simulated_node_of_the_demo_has_no_orphaned_slot(tmp_path: Path) -> None:
     """The demo's node (six containers of every layout, seed 7), scanned after each step: its
     processes start and end between scans, none writes through a stale pointer."""

@@ -145,6 +145,8 @@ class WriterFaults:
             if (
                 past is not None
                 and stable is not None
+                # nothing read on past `end`: a quiet check compares only the bytes up to it
+                and len(stable) == len(past[2]) - past[4]
                 and past[2] == past[3]
                 and not (w.stuck or w.writers or w.orphans or w.moving or torn)
             ):
