@@ -190,6 +190,36 @@ def test_a_read_that_differs_from_the_held_bytes_takes_the_protocol(tmp_path: Pa
     w.close()
 
 
+def test_a_count_that_rises_over_a_slot_held_odd_takes_the_protocol(tmp_path: Path) -> None:
+    """The held bytes include the slots past proc_num read along for the checks, whose seqlock
+    words that read did not check. Slot 1 is held odd with an update half done while proc_num
+    is 1; the count then rises to 2 over it, no slot byte changing. Taken whole, the one read
+    equal to the held bytes gave pid 8 with its data moved and its total not (96 and 32 MiB):
+    the seqlock words below the count now are checked, and the slot is a torn read, as in a
+    fresh read."""
+    path = tmp_path / "a.cache"
+    w = CacheWriter(path, V12, [SimDevice(GPU0, GiB)])
+    w.add_process(7, 4007)
+    w.add_memory(7, 0, "data", 64 * MiB)
+    w.add_process(8, 4008)
+    w.add_memory(8, 0, "data", 32 * MiB)
+    w.region.procs[1].seqlock += 1
+    w.region.procs[1].used[0].data_size = 96 * MiB
+    w.region.proc_num = 1
+    rfd = os.open(path, os.O_RDONLY)
+    memo = ParseMemo()
+    for _ in range(3):  # header memo, then the known path, then the one-read path
+        before = snapshot_fd(rfd, str(path), memo=memo, ahead=ahead)
+    assert [p.pid for p in before.procs] == [7] and before.anomalies == []
+    w.region.proc_num = 2
+    snap = snapshot_fd(rfd, str(path), memo=memo, ahead=ahead)
+    assert [p.pid for p in snap.procs] == [7]
+    assert [(a.kind, a.slot) for a in snap.anomalies] == [("torn_read", 1)]
+    assert snap == read_snapshot(path)
+    os.close(rfd)
+    w.close()
+
+
 def timeless(e: Event) -> Event:
     """Without the scan's duration and how long a stuck seqlock was seen (the two scanners read
     at different moments)."""

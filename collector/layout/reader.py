@@ -758,11 +758,17 @@ def _snapshot_known(
     last = memo.last
     held = None if last is None else last[2]
     first = _pread(fd, m, 0)
-    if held is not None and first == held:
+    if (
+        held is not None
+        and first == held
+        and (seq is None or 1 not in first[start + seq : n : slot_size].translate(_LOW_BIT))
+    ):
         # Every byte is as in the last read that passed the checks below, so this read holds
         # that consistent state: a read torn by a write holds at least one byte the write
         # changed (the seqlock word it made odd, or the data), and a write that changed
         # nothing left the state as it was. Most files on a node are unchanged each second.
+        # The seqlock words below proc_num are checked again: that read checked those below
+        # its own proc_num, and the count may have risen over a slot held odd since.
         data = after = held
     elif seq is not None:
         # seq (read r0) -> slots (r1) -> seq (r2), each a separate read.
