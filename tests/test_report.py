@@ -480,6 +480,10 @@ def test_prices_exact_before_glob_before_default_and_adjustments() -> None:
     # took from it.
     everything = Prices.parse('default = 1.1\n[models]\n"*" = 10')
     assert (everything.price(""), everything.price("Tesla T4")) == (Decimal("1.1"), 10)
+    # ... or an entry for no model, which was taken before the globs stopped matching ""
+    # (then left silently unapplied)
+    named = Prices.parse('default = 1.2\n[models]\n"" = 0\n"*" = 3')
+    assert (named.price(""), named.price("Tesla T4")) == (0, 3)
 
 
 @pytest.mark.parametrize(

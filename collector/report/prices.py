@@ -130,13 +130,14 @@ class Prices:
         return cls(currency.upper(), default, tuple(models), namespaces, labels)
 
     def price(self, model: str) -> Decimal:
-        """Per GPU-hour: the exact name, else the first glob that matches, else the default
-        (for no model, "": a GPU without inventory, which `"*"` matched)."""
-        if not model:
-            return self.default
+        """Per GPU-hour: the exact name, else the first glob that matches, else the default.
+        No model, "" (a GPU without inventory), is matched by no glob (`"*"` took it): by an
+        entry `""` only."""
         for name, p in self.models:
             if name == model:
                 return p
+        if not model:
+            return self.default
         for name, p in self.models:
             if any(c in name for c in "*?[") and fnmatchcase(model, name):
                 return p
