@@ -289,6 +289,21 @@ def test_each_workload_may_be_a_principal_of_its_own() -> None:
             ("kafka.securityProtocol=SSL", "kafka.workloads.aggregator.passwordSecret.name=p"),
             "kafka.workloads.aggregator) needs kafka.sasl.mechanism",
         ),
+        (("kafka.workloads.collector.tlsSecretName=t",), "workloads.collector.tlsSecretName needs"),
+        # a misspelt workload was ignored, its principal with it
+        (("kafka.workloads.colector.username=c",), "kafka.workloads.colector: one of collector"),
+        # a CA file that is the Secret's folder, a password item with no key (refused at start,
+        # and by the API server)
+        (
+            ("kafka.securityProtocol=SSL", "kafka.tls.secretName=t", "kafka.tls.caKey="),
+            "kafka.tls.caKey is needed",
+        ),
+        (
+            ("kafka.securityProtocol=SASL_SSL", "kafka.sasl.mechanism=PLAIN",
+             "kafka.sasl.username=u", "kafka.sasl.passwordSecret.name=p",
+             "kafka.sasl.passwordSecret.key="),
+            "kafka.sasl.passwordSecret.key is needed",
+        ),  # fmt: skip
     ],
 )
 def test_kafka_values_the_program_refuses_are_refused_by_the_chart(

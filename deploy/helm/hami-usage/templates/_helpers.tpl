@@ -89,8 +89,13 @@ a crash loop) is refused here. */}}
 {{- if not (has $k.securityProtocol (list "PLAINTEXT" "SSL" "SASL_SSL")) -}}
 {{- fail (printf "kafka.securityProtocol %q: one of PLAINTEXT, SSL, SASL_SSL" $k.securityProtocol) -}}
 {{- end -}}
+{{- range $name, $_ := $k.workloads | default dict -}}
+{{- if not (has $name (list "collector" "aggregator" "topics")) -}}
+{{- fail (printf "kafka.workloads.%s: one of collector, aggregator, topics" $name) -}}
+{{- end -}}
+{{- end -}}
 {{- if and $tlsSecret (eq $k.securityProtocol "PLAINTEXT") -}}
-{{- fail "kafka.tls.secretName needs kafka.securityProtocol SSL or SASL_SSL" -}}
+{{- fail (printf "kafka.tls.secretName or kafka.workloads.%s.tlsSecretName needs kafka.securityProtocol SSL or SASL_SSL" .workload) -}}
 {{- end -}}
 {{- if and $k.sasl.mechanism (ne $k.securityProtocol "SASL_SSL") -}}
 {{- fail "kafka.sasl.mechanism needs kafka.securityProtocol SASL_SSL" -}}
@@ -110,7 +115,7 @@ a crash loop) is refused here. */}}
 {{- if $tlsSecret -}}
 {{- $volumes = append $volumes (dict "name" "kafka-tls" "secret" (dict "secretName" $tlsSecret)) -}}
 {{- $mounts = append $mounts (dict "name" "kafka-tls" "mountPath" "/etc/hami-usage/kafka-tls" "readOnly" true) -}}
-{{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_CA_FILE" "value" (printf "/etc/hami-usage/kafka-tls/%s" $k.tls.caKey)) -}}
+{{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_CA_FILE" "value" (printf "/etc/hami-usage/kafka-tls/%s" (required "kafka.tls.caKey is needed with a TLS Secret" $k.tls.caKey))) -}}
 {{- if $k.tls.certKey -}}
 {{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_CERT_FILE" "value" (printf "/etc/hami-usage/kafka-tls/%s" $k.tls.certKey)) -}}
 {{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_KEY_FILE" "value" (printf "/etc/hami-usage/kafka-tls/%s" (required "kafka.tls.keyKey is needed with kafka.tls.certKey" $k.tls.keyKey))) -}}
@@ -123,7 +128,7 @@ a crash loop) is refused here. */}}
 {{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_SASL_MECHANISM" "value" $k.sasl.mechanism) -}}
 {{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_USERNAME" "value" (required "kafka.sasl.username is needed with kafka.sasl.mechanism" $username)) -}}
 {{- $secret := required "kafka.sasl.passwordSecret.name is needed with kafka.sasl.mechanism" $password.name -}}
-{{- $items := list (dict "key" $password.key "path" "password") -}}
+{{- $items := list (dict "key" (required "kafka.sasl.passwordSecret.key is needed with kafka.sasl.mechanism" $password.key) "path" "password") -}}
 {{- $volumes = append $volumes (dict "name" "kafka-sasl" "secret" (dict "secretName" $secret "items" $items)) -}}
 {{- $mounts = append $mounts (dict "name" "kafka-sasl" "mountPath" "/etc/hami-usage/kafka-sasl" "readOnly" true) -}}
 {{- $env = append $env (dict "name" "HAMI_USAGE_KAFKA_PASSWORD_FILE" "value" "/etc/hami-usage/kafka-sasl/password") -}}
