@@ -403,7 +403,9 @@ class Aggregator:
                 tr.pending
                 or tr.nkeys
                 or (tr.alive and tr.last_ts + gap > closed)
-                or (tr.pod_uid is not None and tr.last_ts + retain > closed)
+                # a name, or for a track not named yet what a late announcement would name:
+                # its last event's time decides how long that name lasts (`lapse`)
+                or tr.last_ts + retain > closed
                 # a running gate a late announcement would take (`ContainerRun` read before the
                 # container's `ContainerAppeared`), kept as long as a name
                 or (tr.run is not None and max(tr.last_ts, tr.run_ts) + retain > closed)

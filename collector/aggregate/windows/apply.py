@@ -75,8 +75,7 @@ def limits_ok(x: DeviceLimit) -> bool:
 def apply(ig: Integrator, tr: Track, e: Entry) -> None:
     """Apply an in-time event at its own ts (the track is integrated up to it)."""
     t = e[0]
-    if tr.pod_uid is not None and t >= tr.last_ts + ig.retain:
-        forget(ig, tr)  # silent for too long: wait for a restatement
+    lapse(ig, tr, t)
     ws = t - t % ig.w
     if ws != tr.win:
         ig.roll(tr, ws)
@@ -311,6 +310,20 @@ def learn(
     tr.container = container
     tr.ident_off = off
     set_limits(ig, tr, devices, t, off)
+
+
+def lapse(ig: Integrator, tr: Track, t: int) -> None:
+    """What a silence of `retain` ends by `t`: a name (`forget`: silent for too long, wait for
+    a restatement), or the running gate of a track not named yet (kept that long for a late
+    announcement). Both as `Aggregator._prune` drops them when a window closes in the silence,
+    so that an event after it finds the same state whether or not one closed (a late event at
+    the end it is applied at)."""
+    if tr.pod_uid is not None:
+        if t >= tr.last_ts + ig.retain:
+            forget(ig, tr)
+    elif tr.run is not None and t >= max(tr.last_ts, tr.run_ts) + ig.retain:
+        tr.run = None
+        tr.run_seq = tr.run_off = -1
 
 
 def forget(ig: Integrator, tr: Track) -> None:

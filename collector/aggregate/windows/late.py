@@ -43,7 +43,7 @@ from ...events import (
     UsageSample,
 )
 from . import runs
-from .apply import forget, learn, node_rows, row_ok, set_limits
+from .apply import forget, lapse, learn, node_rows, row_ok, set_limits
 from .integrate import Integrator
 from .settings import NEVER
 from .state import Entry, Key, Supersede, Track, unpacked
@@ -68,6 +68,8 @@ def apply_late(ig: Integrator, tr: Track, e: Entry, batch: list[Entry]) -> None:
     p = unpacked(e[4])
     off = e[5]
     closed = e[0]
+    if tr.uuids is None:  # (a node's pseudo-container has no name nor gate)
+        lapse(ig, tr, closed)
     if isinstance(p, ContainerRun):
         runs.late(tr, p, e[2], off)
         if ts > tr.run_ts:
