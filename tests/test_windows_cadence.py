@@ -15,10 +15,13 @@ from test_fair_share import run
 from collector.aggregate.records import BillingRecord, to_json
 from collector.aggregate.windows import Aggregator, WindowSettings
 from collector.events import (
+    CollectorStarted,
     ContainerAppeared,
     ContainerRun,
     DeviceLimit,
+    DeviceUsageRow,
     Event,
+    NodeDeviceSample,
     UsageRow,
     UsageSample,
 )
@@ -98,3 +101,54 @@ def test_what_a_silence_ends_does_not_depend_on_when_windows_close(name: str) ->
         if r.kind == "container" and r.pod_uid == "pod-1"
     )
     assert pod1 == want
+
+
+def by_node(events: list[tuple[str, Event]], every: bool) -> list[BillingRecord]:
+    agg = Aggregator(WindowSettings(allocation_policy="cores"))
+    out: list[BillingRecord] = []
+    for i, (node, e) in enumerate(events):
+        agg.add(node, e, offset=i)
+        if every:
+            out += agg.advance()
+    return out + agg.flush()
+
+
+def restarted(inc: int, ts: int) -> Event:
+    return CollectorStarted(1, inc, 0, ts, "h", inc, "/log")
+
+
+def gpu(inc: int, seq: int, ts: int) -> Event:
+    return NodeDeviceSample(1, inc, seq, ts, [DeviceUsageRow("GPU-A", GiB, 30, 0)])
+
+
+RESTARTS = {
+    # n1's new collector says it started at 30 s; its first event comes when n2 has let the
+    # windows to 690 s close: its start takes effect there (the container ran to its cap, 95 s).
+    # Taken from the windows closed when the supersession was put in (none in a drain), it
+    # cut the container at 30 s.
+    "first event late": (
+        [("n1", restarted(1, 0)), ("n1", appeared(1, 0, 1)), ("n1", sample(2, 5_000, 1)),
+         ("n2", NodeDeviceSample(1, 9, 0, 700_000, [DeviceUsageRow("GPU-B", GiB, 0, 0)])),
+         ("n1", restarted(2, 30_000))],
+        "container", [(0, "60.000"), (60_000, "35.000")],
+    ),
+    # The new collector's event at 320 s, then its start (8 s) late: the node's rows of the old
+    # one run to their cap (90 s), as when the windows to 300 s had closed in between.
+    "earlier event late": (
+        [("n1", gpu(1, 0, 0)), ("n1", gpu(2, 1, 320_000)), ("n1", restarted(2, 8_000))],
+        "node", [(0, "60.000"), (60_000, "30.000"), (300_000, "40.000"), (360_000, "50.000")],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(RESTARTS))
+def test_a_restart_read_late_takes_effect_whatever_the_closes(name: str) -> None:
+    events, kind, want = RESTARTS[name]
+    every, once = by_node(events, True), by_node(events, False)
+    assert sorted(map(to_json, every)) == sorted(map(to_json, once))
+    got = sorted(
+        (r.window_start_ms, str(r.observed_seconds))
+        for r in every
+        if r.kind == kind and r.node == "n1"
+    )
+    assert got == want

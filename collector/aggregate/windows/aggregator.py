@@ -234,6 +234,15 @@ class Aggregator:
         # forgotten it, and was a duplicate when they had not (the records depended on how
         # often `advance()` ran). It is late, as it was. (The newest event bounds what can
         # close: only an event that far behind it asks.)
+        eff = self._effective(node, ts, source, offset, record_ts_ms)
+        lowered = incs.lowered
+        if lowered is not None:
+            lowered.first_eff = eff
+        return eff
+
+    def _effective(
+        self, node: str, ts: int, source: int, offset: int, record_ts_ms: int | None
+    ) -> int:
         if ts < self._newest - self._lateness - self._horizon:
             end = self._closable()
             if end is not None and ts < end - self._horizon:
@@ -244,7 +253,7 @@ class Aggregator:
         # yet or not: when `advance()` ran (each batch live, every few hundred records in a
         # replay) must not decide it, or a replay would bill a late event as the live run did
         # not. Asking every source is only needed for an event behind its node's newest.
-        bound = progress.event(source, node, ts, record_ts_ms, offset)
+        bound = self._progress.event(source, node, ts, record_ts_ms, offset)
         closed = self._closed
         if ts >= bound - self._lateness and (closed is None or ts >= closed):
             return ts
@@ -368,21 +377,25 @@ class Aggregator:
         """Put the start of a newer incarnation of the node on this track's timeline, once."""
         if tr.node not in self._incs.several:
             return
-        cut = self._incs.cut(tr.node, tr.inc)
+        cut, newer_inc = self._incs.successor(tr.node, tr.inc)
         if cut >= target or (tr.cut is not None and tr.cut <= cut):
             return
+        assert newer_inc is not None
         tr.cut = cut
         # Events of this incarnation from after the newer one started arrived before it did:
         # two collectors under one node name (nodeguard). Only the newest is billed.
         kept = [e for e in tr.pending if e[1] < cut]
         if len(kept) < len(tr.pending):
-            newer = self._incs.successor(tr.node, tr.inc)[1]
-            assert newer is not None
             left_out = {e[2] for e in tr.pending if e[1] >= cut}
-            self._guard.overlapped(tr.node, tr.inc, newer, cut, left_out)
+            self._guard.overlapped(tr.node, tr.inc, newer_inc, cut, left_out)
             tr.pending = kept
+        # It takes effect where the newer incarnation's first event did (the end the input
+        # let close when that came late), closed yet or not: taken from the windows closed
+        # when this ran, it depended on how often `advance()` ran.
+        eff = max(cut, self._incs.takes_effect(tr.node, newer_inc))
         closed = self._closed
-        eff = cut if closed is None or cut >= closed else closed
+        if closed is not None and eff < closed:
+            eff = closed  # (the start of an incarnation forgotten and seen again)
         self._arrival += 1
         tr.pending.append((eff, cut, -1, self._arrival, SUPERSEDE, -1))
 

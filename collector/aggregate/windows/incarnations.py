@@ -53,13 +53,16 @@ class Incarnation:
 
     Per incarnation the highest seq seen and the set of seqs above `highest - DEDUP_WINDOW`."""
 
-    __slots__ = ("first_ts", "hwm", "last_ts", "seqs")
+    __slots__ = ("first_eff", "first_ts", "hwm", "last_ts", "seqs")
 
     def __init__(self) -> None:
         self.hwm = -1
         self.seqs: set[int] = set()
         self.first_ts = NEVER
         self.last_ts = -NEVER
+        # The effective time of the event that set `first_ts` (the end the input let close
+        # when it came late): where the incarnation's start takes effect on its predecessor.
+        self.first_eff = -NEVER
 
     def prune(self) -> None:
         low = self.hwm - DEDUP_WINDOW
@@ -79,7 +82,7 @@ class Incarnation:
 class Incarnations:
     """Every incarnation the aggregator knows, by (node, inc) and grouped by node."""
 
-    __slots__ = ("_by_node", "_forgotten", "_incs", "_order", "_retired", "several")
+    __slots__ = ("_by_node", "_forgotten", "_incs", "_order", "_retired", "lowered", "several")
 
     def __init__(self) -> None:
         self._incs: dict[tuple[str, int], Incarnation] = {}
@@ -93,10 +96,13 @@ class Incarnations:
         # Nodes with more than one incarnation: only their events can be cut or overlap, so the
         # per-event checks ask this set first.
         self.several: set[str] = set()
+        # The incarnation whose `first_ts` the last `admit` lowered: its caller sets `first_eff`
+        self.lowered: Incarnation | None = None
 
     def admit(self, node: str, inc: int, seq: int, ts: int) -> bool:
         """Record event (node, inc, seq) at `ts`; False when it is a duplicate (nothing
         recorded then)."""
+        self.lowered = None
         incarnation = self._incs.get((node, inc))
         if incarnation is None and node in self._retired:
             self._restore(node)
@@ -129,13 +135,15 @@ class Incarnations:
             del order[bisect_left(order, (incarnation.first_ts, inc))]
             incarnation.first_ts = ts
             insort(order, (ts, inc))
+            self.lowered = incarnation
         if ts > incarnation.last_ts:
             incarnation.last_ts = ts
         return True
 
-    def cut(self, node: str, inc: int) -> int:
-        """The first event time of the earliest newer incarnation of `node` (NEVER if none)."""
-        return self.successor(node, inc)[0]
+    def takes_effect(self, node: str, inc: int) -> int:
+        """When (node, inc)'s start takes effect on its predecessor (-NEVER when unknown)."""
+        incarnation = self._incs.get((node, inc))
+        return -NEVER if incarnation is None else incarnation.first_eff
 
     def successor(self, node: str, inc: int) -> tuple[int, int | None]:
         """(first event time, inc) of the earliest newer incarnation of `node`, or
