@@ -227,13 +227,6 @@ class Aggregator:
             return None
         if node in incs.several and self._guard.overlaps(node, inc, ts):
             return None
-        # An event older than what any close keeps state for (an incarnation whose last event
-        # is before the closed end less max_gap + lateness + window is forgotten: a redelivery
-        # of it is no duplicate once that has happened) stays out of the progress: it woke its
-        # idle node with that old time and held the partition at its floor when the closes had
-        # forgotten it, and was a duplicate when they had not (the records depended on how
-        # often `advance()` ran). It is late, as it was. (The newest event bounds what can
-        # close: only an event that far behind it asks.)
         eff = self._effective(node, ts, source, offset, record_ts_ms)
         lowered = incs.lowered
         if lowered is not None:
@@ -243,6 +236,14 @@ class Aggregator:
     def _effective(
         self, node: str, ts: int, source: int, offset: int, record_ts_ms: int | None
     ) -> int:
+        """The event's effective ts: its own, or the end the input let close when it is late."""
+        # An event older than what any close keeps state for (an incarnation whose last event
+        # is before the closed end less max_gap + lateness + window is forgotten: a redelivery
+        # of it is no duplicate once that has happened) stays out of the progress: it woke its
+        # idle node with that old time and held the partition at its floor when the closes had
+        # forgotten it, and was a duplicate when they had not (the records depended on how
+        # often `advance()` ran). It is late, as it was. (The newest event bounds what can
+        # close: only an event that far behind it asks.)
         if ts < self._newest - self._lateness - self._horizon:
             end = self._closable()
             if end is not None and ts < end - self._horizon:
@@ -415,13 +416,13 @@ class Aggregator:
             if (
                 tr.pending
                 or tr.nkeys
-                or (tr.alive and tr.last_ts + gap > closed)
-                # a name, or for a track not named yet what a late announcement would name:
-                # its last event's time decides how long that name lasts (`lapse`)
+                # a live value (max_gap), a name, or for a track not named yet what a late
+                # announcement would name: its last event's time decides how long that name
+                # lasts (`lapse`)
                 or tr.last_ts + retain > closed
                 # a running gate a late announcement would take (`ContainerRun` read before the
                 # container's `ContainerAppeared`), kept as long as a name
-                or (tr.run is not None and max(tr.last_ts, tr.run_ts) + retain > closed)
+                or (tr.run is not None and tr.run_ts + retain > closed)
                 # an end is kept while a late event from before it could still bill
                 or (tr.gone_ts is not None and tr.gone_ts > closed - gap)
             ):

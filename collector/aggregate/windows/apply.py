@@ -322,8 +322,7 @@ def lapse(ig: Integrator, tr: Track, t: int) -> None:
         if t >= tr.last_ts + ig.retain:
             forget(ig, tr)
     elif tr.run is not None and t >= max(tr.last_ts, tr.run_ts) + ig.retain:
-        tr.run = None
-        tr.run_seq = tr.run_off = -1
+        runs.clear(tr)
 
 
 def forget(ig: Integrator, tr: Track) -> None:
@@ -334,8 +333,7 @@ def forget(ig: Integrator, tr: Track) -> None:
     ig.output.emit(tr)
     tr.pod_uid = None
     tr.container = ""
-    tr.run = None
-    tr.run_seq = tr.run_off = -1
+    runs.clear(tr)
     for d in tr.devs.values():
         d.settle()
         d.uuid = None

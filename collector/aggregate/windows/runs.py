@@ -33,7 +33,7 @@ from ...events import ContainerRun
 from .state import Entry, Track
 from .stats import AggregateStats
 
-__all__ = ["entry", "late", "restate", "switch"]
+__all__ = ["clear", "entry", "late", "restate", "switch"]
 
 
 def entry(
@@ -75,3 +75,9 @@ def restate(tr: Track, running: bool | None, seq: int, off: int) -> None:
         tr.run = running
         tr.run_seq = seq
         tr.run_off = off
+
+
+def clear(tr: Track) -> None:
+    """No gate: what a new track has (a name forgotten, a gate read before a name lapsed)."""
+    tr.run = None
+    tr.run_seq = tr.run_off = -1
