@@ -302,6 +302,20 @@ class WriterFaults:
                 moving.add(k)
                 procs.append(proc)
                 continue
+            writer = w.writers.get(k)
+            if not copy_at and writer is not None and writer != key:
+                # A newcomer given this slot while a stale pointer wrote it (`shared_slot`),
+                # since killed and compacted away with its pid left in the slot: the writer
+                # (its copy below kept by `_shared`) still adds its usage here, as written.
+                w.orphans.add(k)
+                procs.append(proc)
+                detail = (
+                    f"pid {proc.pid} (host pid {proc.hostpid}), compacted away, is in slot {k}, "
+                    f"at or beyond proc_num {snap.proc_num}, which pid {writer[0]} (host pid "
+                    f"{writer[1]}) still writes through a stale slot pointer: billed as written"
+                )
+                anomalies.append(Anomaly("orphaned_slot", detail, slot=k, value=proc.pid))
+                continue
             if not copy_at:
                 w.orphans.discard(k)
                 w.writers.pop(k, None)
