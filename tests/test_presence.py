@@ -361,6 +361,69 @@ def test_a_missed_restart_that_ends_terminated_bills_each_run(tmp_path: Path) ->
     assert limit == {JOB: 4 * GiB * 13}
 
 
+def restart_seen_late(tmp_path: Path, restart_policy_phase: str = "Running") -> list[Event]:
+    """The Job's process (1 GiB) exits at +8 and the watch shows its container terminated, then
+    in back-off (`waiting`), until +40; the new run's process (2 GiB) starts writing the file
+    at +12, and the watch shows it running (from +12) only at +40: the kubelet's status lags."""
+    w = new_cache_file(tmp_path / "root", JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    w.add_process(10, 5010)
+    w.add_memory(10, 0, "data", GiB)
+    current: dict[str, PodView] = {}
+    scanner = Scanner(tmp_path / "root", heartbeat_s=10, inc=1,
+                      presence=PresenceStage(lambda: current))  # fmt: skip
+    waiting = Run("main", "waiting", last_finished=iso(8), restarts=1)
+    events: list[Event] = []
+    for s in range(60):
+        if s == 8:
+            w.exit(10)
+        if s == 12:
+            w.add_process(1, 5100)
+            w.add_memory(1, 0, "data", 2 * GiB)
+        if s < 8:
+            current = {JOB: job("running")}
+        elif s < 9:
+            current = {JOB: job("terminated", 0, 8)}
+        elif s < 40:
+            view = job("running")
+            current = {JOB: PodView(view.identity, ("main",), None, None,
+                                    phase=restart_policy_phase, runs=(waiting,))}  # fmt: skip
+        else:
+            current = {JOB: job("running", 12, last=8, restarts=1)}
+        events += scanner.scan(now_ms=T0 + s * 1000)
+    w.close()
+    return events
+
+
+def test_a_restart_the_watch_shows_late_is_billed_from_the_scan_that_sees_it_written(
+    tmp_path: Path,
+) -> None:
+    """A stale folder of a pod that can still restart its container is read on each scan: once
+    a process writes the file after the termination (a new run), it is tracked again at once,
+    not when the watch first shows the container running. Before, the new run's process was
+    unbilled until +40: 48 of the 104 GiB·s it and the first run used in the minute."""
+    events = restart_seen_late(tmp_path)
+    appeared = [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)]
+    assert appeared == [0, 12_000]
+    runs = [(e.running, e.at - T0, e.reason, e.ts - T0)
+            for e in events if isinstance(e, ContainerRun)]  # fmt: skip
+    # The new run's gate comes with the watch: its startedAt, put on the timeline at +12.
+    assert runs == [(True, 0, "started", 0), (False, 8_000, "finished", 8_000),
+                    (True, 12_000, "started", 40_000)]  # fmt: skip
+    agg = Aggregator(WindowSettings())
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i)
+    minute = [r for r in agg.flush() if r.kind == "container" and r.window_start_ms == T0]
+    assert sum(r.memory_byte_seconds for r in minute) == GiB * 8 + 2 * GiB * 48
+    assert sum(r.memory_limit_byte_seconds for r in minute) == 4 * GiB * (8 + 48)
+
+
+def test_a_finished_pods_stale_folder_is_not_read_again(tmp_path: Path) -> None:
+    """A pod whose phase is final cannot restart its containers: its stale folder is not read,
+    and a write to it (no run of the pod's) is not billed."""
+    events = restart_seen_late(tmp_path, "Succeeded")
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0, 40_000]
+
+
 def test_a_run_the_runtime_lost_ends_when_the_watch_says_so(tmp_path: Path) -> None:
     """A reboot: the kubelet writes `waiting` (ContainerCreating) with `lastState.terminated`
     ContainerStatusUnknown, its times null. That lost run was taken for still running (its

@@ -13,6 +13,13 @@ stale while it exists, a scan that could not list it (or the root) notwithstandi
 remembered in memory only, so a collector restarted after the pod was forgotten tracks the folder
 again. While it is tracked, `runs` states when it runs (restarts the watch missed, a deleted pod).
 
+The kubelet's status lags a restart (a crash loop's short runs may never show `running` at
+all), so a stale folder of a pod whose phase is not final is read on each scan: its processes'
+slots (pid, host pid, status, memory) as the first stale scan read them are the termination's
+mark, and a change to them is a new run's process at work (nothing of the ended run is left to
+write), so the file is tracked again from that scan, whatever the watch says yet. A pod in a
+final phase cannot run its containers again: its folders are not read.
+
 Without the pod watch nothing is stale: every folder is billed while it exists.
 """
 
@@ -23,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from ..events import Event, LayoutAnomaly
+from ..layout.snapshot import Snapshot
 from .diff import FileState, Stamp
 from .pods import PodView
 from .runs import Runs, iso_ms
@@ -46,6 +54,13 @@ class PresenceStage:
         # longer has (deleted, then forgotten after `keep_deleted_s`) cannot run again, and its
         # folder, still there, stays stale
         self._ended: dict[tuple[str, str], tuple[str, str]] = {}
+        # (pod uid, container, finishedAt, file) of the stale files read -> their mark (see
+        # `_mark`); (pod uid, container, finishedAt) of the terminations a new run's process has
+        # written past, so their folders are tracked again
+        self._marks: dict[tuple[str, str, str, str], tuple[object, ...]] = {}
+        self._marks_now: dict[tuple[str, str, str, str], tuple[object, ...]] = {}
+        self._restarted: set[tuple[str, str, str]] = set()
+        self._restarted_now: set[tuple[str, str, str]] = set()
         self._offset_ms = 0
         self.runs = Runs(monotonic)
         self.stale = 0  # folders not billed now (gauge)
@@ -55,6 +70,7 @@ class PresenceStage:
         clock's offset from event time (Kubernetes' timestamps are wall clock)."""
         self._now = self._view()
         self._seen = {}
+        self._marks_now, self._restarted_now = {}, set()
         self._offset_ms = offset_ms
 
     def end(self, unlisted: Callable[[str], bool]) -> None:
@@ -67,6 +83,7 @@ class PresenceStage:
             (uid, container): (at, folder) for (uid, container, at), folder in self._seen.items()
         }
         self._ended = kept | seen
+        self._marks, self._restarted = self._marks_now, self._restarted_now
         # A termination whose folder went (or whose container runs again) is forgotten.
         self._reported &= {
             (uid, container, at) for (uid, container), (at, _) in self._ended.items()
@@ -86,7 +103,10 @@ class PresenceStage:
         now_ms: int,
         stamp: Stamp,
         events: list[Event],
+        read: Callable[[], Snapshot | None] | None = None,
     ) -> bool:
+        """Whether the file at `path` is stale (not tracked); `read`: its snapshot, read
+        afresh (a stale folder of a pod that may restart its container is read each scan)."""
         pv = self._now.get(pod_uid)
         if pv is None:
             ended = self._ended.get((pod_uid, container))
@@ -109,10 +129,17 @@ class PresenceStage:
             finished = ""  # the pod is done; this container has no terminated status of its own
         if finished is None:
             return False
+        key = (pod_uid, container, finished)
+        if key in self._restarted:
+            self._restarted_now.add(key)
+            return False  # a new run's process writes it: tracked, whatever the watch says yet
         if cid >= 0:
             events += self.runs.stop(cid, iso_ms(finished), now_ms, self._offset_ms, stamp,
                                      started, last)  # fmt: skip
-        key = (pod_uid, container, finished)
+        if read is not None and pv.phase not in _DONE and self._written(key, path, read):
+            self._restarted.add(key)  # (this scan's other files of the container follow it)
+            self._restarted_now.add(key)
+            return False
         self._seen[key] = os.path.dirname(path)
         if key not in self._reported:
             self._reported.add(key)
@@ -132,3 +159,25 @@ class PresenceStage:
                 )
             )
         return True
+
+    def _written(
+        self, key: tuple[str, str, str], path: str, read: Callable[[], Snapshot | None]
+    ) -> bool:
+        """Whether the file's processes changed since the first stale scan read them."""
+        at = (*key, path)
+        was = self._marks.get(at)
+        snap = read()
+        mark = was if snap is None else _mark(snap)  # (unreadable now: nothing to tell)
+        if mark is not None:
+            self._marks_now[at] = mark if was is None else was
+        return was is not None and mark != was
+
+
+def _mark(snap: Snapshot) -> tuple[object, ...]:
+    """What only a running process changes in a file: its slots' pid, host pid, status and
+    memory (HAMi-core's utilisation watcher, which writes the rest, runs in those processes)."""
+    return (
+        snap.proc_num,
+        *((p.slot, p.pid, p.hostpid, p.status, *((u.index, u.total) for u in p.devices))
+          for p in snap.procs),
+    )  # fmt: skip

@@ -10,6 +10,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +181,7 @@ class Scanner:
             if presence is not None:
                 cid = st.cid if st is not None and st.appeared else -1
                 if presence.is_stale(f.pod_uid, f.container, f.path, cid, self._ts,
-                                     self._stamp, events):  # fmt: skip
+                                     self._stamp, events, partial(self._peek, f)):  # fmt: skip
                     self.discovery.forget(f)
                     continue  # not tracked: gone (ContainerGone below if it had appeared)
             if st is None:
@@ -331,6 +332,22 @@ class Scanner:
             if snap.proc_num != counted:
                 self._counted[key] = snap.proc_num
         return snap
+
+    def _peek(self, f: CacheFile) -> Snapshot | None:
+        """A snapshot of `f` read afresh, for a file the scan does not track (a stale folder's:
+        the scanner forgets its descriptors after); None when it cannot be read."""
+        try:
+            opened = self.discovery.open(f)
+        except OSError:
+            return None
+        if isinstance(opened, Skipped):
+            return None
+        fd, st, kept = opened
+        try:
+            return snapshot_fd(fd, f.path, st=st)
+        finally:
+            if not kept:
+                os.close(fd)
 
     def _clock_step(self, step: Step) -> Event:
         self.stats.clock_steps += 1
