@@ -264,14 +264,15 @@ def test_a_new_process_given_the_slot_a_stale_pointer_writes_is_flagged(
     assert kinds(s.scan()) == []  # slot 2 is an exit marker now: nothing shared is billed
 
 
-def test_a_shared_slot_whose_newcomer_was_killed_stays_billed_while_its_stale_writer_lives(
+def test_a_shared_slot_whose_newcomer_was_killed_is_billed_once_its_stale_writer_writes_it(
     tmp_path: Path, writers: list[FaultyWriter]
 ) -> None:
     """The newcomer given a stale-written slot is killed (its slot keeps its pid) and a
     compaction leaves that slot past proc_num. Its pid has no copy below, which alone marks a
-    leftover; but the process that wrote it through a stale pointer still lives and still
-    writes there. Taken for a leftover, everything that writer allocated since went unbilled
-    (2 GiB billed for 15). Billed as written while its writer lives, as it was while shared."""
+    leftover; but the process that wrote it through a stale pointer may still write there.
+    Taken for a leftover, everything that writer allocated since went unbilled (2 GiB billed for
+    15). Its copy below is no sign of life (an exit through a stale pointer clears the slot it
+    writes, not the copy): the slot is billed as written once its seqlock counts on."""
     w, s = stranded(tmp_path, writers)
     w.add_memory(12, 0, "data", GiB)
     assert kinds(s.scan()) == [("orphaned_slot", 2, 12)]
@@ -280,20 +281,45 @@ def test_a_shared_slot_whose_newcomer_was_killed_stays_billed_while_its_stale_wr
     assert kinds(s.scan()) == [("shared_slot", 2, 13)]
     w.compact({13})  # 13 was SIGKILLed: its slot is past proc_num, its pid still in it
     assert (w.proc_num, w.pointer, w.region.procs[2].pid) == (2, {12: 2}, 13)
+    assert kinds(s.scan()) == []
+    assert billed(s) == {0: 2 * GiB, 1: 0}  # 10, and 12's copy: nothing wrote slot 2 since
+    w.add_memory(12, 0, "data", 4 * GiB)  # through the stale pointer, into slot 2
     events = s.scan()
     assert kinds(events) == [("orphaned_slot", 2, 13)]
-    assert "pid 13 (host pid 1013), compacted away, is in slot 2, at or beyond proc_num 2" in (
-        next(e.detail for e in events if isinstance(e, LayoutAnomaly))
+    assert (
+        "pid 13 (host pid 1013), compacted away, is in slot 2, at or beyond proc_num 2, "
+        "which pid 12 (host pid 1012) still writes"
+        in next(e.detail for e in events if isinstance(e, LayoutAnomaly))
     )
-    assert billed(s) == truth(w) == {0: 3 * GiB, 1: 0}
-    for _ in range(3):
-        w.add_memory(12, 0, "data", 4 * GiB)  # through the stale pointer, into slot 2
-        assert kinds(s.scan()) == []  # reported once while it lasts
+    assert billed(s) == truth(w) == {0: 7 * GiB, 1: 0}
+    for _ in range(2):
+        assert kinds(s.scan()) == []  # reported once while it lasts; billed while 12 idles
         assert billed(s) == truth(w)
-    assert billed(s) == {0: 15 * GiB, 1: 0}  # 10's 1 GiB, 12's copy 1 GiB, slot 2's 13 GiB
+        w.add_memory(12, 0, "data", 4 * GiB)
+    s.scan()
+    assert billed(s) == truth(w) == {0: 15 * GiB, 1: 0}  # 10, 12's copy, slot 2's 13 GiB
     w.compact({12})  # 12 is SIGKILLed and its copy below compacted away: it wrote its last
     s.scan()
     assert billed(s) == truth(w) == {0: GiB, 1: 0}  # slot 2 is nobody's now
+
+
+def test_a_shared_slot_whose_writer_and_newcomer_are_gone_is_not_billed(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    """The stale writer exits (through its pointer: the slot it writes is cleared, its copy
+    below stays live-looking), a newcomer takes that slot (flagged `shared_slot`: the file
+    cannot tell), is killed and compacted away: nothing writes the slot, and it is not billed."""
+    w, s = stranded(tmp_path, writers)
+    w.add_memory(12, 0, "data", GiB)
+    assert kinds(s.scan()) == [("orphaned_slot", 2, 12)]
+    w.exit(12)
+    w.add_process(13, 1013)
+    w.add_memory(13, 0, "data", GiB)
+    assert kinds(s.scan()) == [("shared_slot", 2, 13)]
+    w.compact({13})
+    for _ in range(3):
+        s.scan()
+        assert billed(s) == truth(w) == {0: 2 * GiB, 1: 0}  # 10, and 12's live-looking copy
 
 
 def test_two_live_slots_with_one_pid_take_the_one_its_writer_updates(

@@ -54,6 +54,11 @@ class _Watch:
     orphans: set[int] = field(default_factory=set)  # slots past proc_num seen being written
     # slot -> the (pid, hostpid) seen writing it past proc_num, while that process lives
     writers: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # slot -> (the newcomer, the stale writer) of a `shared_slot` raised, while that writer's
+    # copy lives, and the slot's `_owned` bytes when first read past proc_num (or None)
+    shared: dict[int, tuple[tuple[int, int], tuple[int, int], bytes | None]] = field(
+        default_factory=dict
+    )
     high: int = 0  # the highest proc_num seen
     # (pid, hostpid) of the live processes the last check handed on: a compaction's mover is
     # held only for a process the collector already bills.
@@ -216,10 +221,12 @@ class WriterFaults:
         for k, key in list(w.writers.items()):
             if not any((p.pid, p.hostpid) == key and p.slot != k for p in procs):
                 del w.writers[k]  # its copy below is gone: the process ended
+                w.shared.pop(k, None)
                 continue
             now = next((p for p in procs if p.slot == k), None) if k < n else None
             if now is None or now.pid == 0 or (now.pid, now.hostpid) == key:
                 continue
+            w.shared[k] = ((now.pid, now.hostpid), key, None)
             detail = (
                 f"pid {now.pid} (host pid {now.hostpid}) was given slot {k}, which pid {key[0]} "
                 f"(host pid {key[1]}) still writes through a stale slot pointer: both count in "
@@ -302,23 +309,35 @@ class WriterFaults:
                 moving.add(k)
                 procs.append(proc)
                 continue
-            writer = w.writers.get(k)
-            if not copy_at and writer is not None and writer != key:
-                # A newcomer given this slot while a stale pointer wrote it (`shared_slot`),
-                # since killed and compacted away with its pid left in the slot: the writer
-                # (its copy below kept by `_shared`) still adds its usage here, as written.
+            shared = w.shared.get(k)
+            if not copy_at and shared is not None and shared[:2] == (key, w.writers.get(k)):
+                # The newcomer of a `shared_slot`, since killed and compacted away with its pid
+                # left in the slot. Its stale writer's copy below is no sign of life (an exit
+                # through a stale pointer clears the slot it writes, not the copy): the slot is
+                # billed, as written, once written since it went past proc_num (its seqlock
+                # counted on), and while that writer's copy stays.
+                was = shared[2]
+                if was is None:
+                    w.shared[k] = (shared[0], shared[1], mine)
+                    was = mine
+                seq = layout.slot_seqlock
+                if k not in w.orphans and (
+                    mine == was or (seq is not None and _count(mine) <= _count(was))
+                ):
+                    continue  # not written since: its writer may be gone
                 w.orphans.add(k)
                 procs.append(proc)
                 detail = (
                     f"pid {proc.pid} (host pid {proc.hostpid}), compacted away, is in slot {k}, "
-                    f"at or beyond proc_num {snap.proc_num}, which pid {writer[0]} (host pid "
-                    f"{writer[1]}) still writes through a stale slot pointer: billed as written"
+                    f"at or beyond proc_num {snap.proc_num}, which pid {shared[1][0]} (host pid "
+                    f"{shared[1][1]}) still writes through a stale slot pointer: billed as written"
                 )
                 anomalies.append(Anomaly("orphaned_slot", detail, slot=k, value=proc.pid))
                 continue
             if not copy_at:
                 w.orphans.discard(k)
                 w.writers.pop(k, None)
+                w.shared.pop(k, None)
                 continue
             # Only the process itself writes `used[]` and the seqlock (the watcher writes the
             # copy below too): its copy below proc_num is frozen there.
@@ -344,6 +363,7 @@ class WriterFaults:
             if not stale:
                 w.orphans.discard(k)
                 w.writers.pop(k, None)
+                w.shared.pop(k, None)
                 continue  # a stale copy compaction left behind, or a slot moved under us
             w.orphans.add(k)
             w.writers[k] = key
