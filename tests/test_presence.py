@@ -12,12 +12,14 @@ and the API server stand-in: `test_presence_k8s.py`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from test_windows import Collector, dev, row
@@ -361,37 +363,64 @@ def test_a_missed_restart_that_ends_terminated_bills_each_run(tmp_path: Path) ->
     assert limit == {JOB: 4 * GiB * 13}
 
 
-def restart_seen_late(tmp_path: Path, restart_policy_phase: str = "Running") -> list[Event]:
+def restart_seen_late(
+    tmp_path: Path,
+    phase: str = "Running",
+    *,
+    new_run: str = "same file",
+    final_from: int = 60,
+    during: Callable[[int, Scanner], contextlib.AbstractContextManager[object]] | None = None,
+) -> list[Event]:
     """The Job's process (1 GiB) exits at +8 and the watch shows its container terminated, then
     in back-off (`waiting`), until +40; the new run's process (2 GiB) starts writing the file
-    at +12, and the watch shows it running (from +12) only at +40: the kubelet's status lags."""
-    w = new_cache_file(tmp_path / "root", JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    (`new_run`: "same file", "new file" beside it, or "none") at +12, and the watch shows it
+    running (from +12) only at +40: the kubelet's status lags. From `final_from` on the pod's
+    phase is `Failed` with the back-off status unchanged. `during(s, scanner)`: a context the
+    scan of second s runs in (a fault)."""
+    root = tmp_path / "root"
+    w = new_cache_file(root, JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    writers = [w]
     w.add_process(10, 5010)
     w.add_memory(10, 0, "data", GiB)
     current: dict[str, PodView] = {}
-    scanner = Scanner(tmp_path / "root", heartbeat_s=10, inc=1,
-                      presence=PresenceStage(lambda: current))  # fmt: skip
+    scanner = Scanner(root, heartbeat_s=10, inc=1, presence=PresenceStage(lambda: current))
     waiting = Run("main", "waiting", last_finished=iso(8), restarts=1)
+    identity = job("running").identity
     events: list[Event] = []
     for s in range(60):
         if s == 8:
             w.exit(10)
-        if s == 12:
-            w.add_process(1, 5100)
-            w.add_memory(1, 0, "data", 2 * GiB)
+        if s == 12 and new_run != "none":
+            if new_run == "new file":
+                gpu = [SimDevice("GPU-a", 4 * GiB, 50)]
+                writers.append(new_cache_file(root, JOB, "main", V12, gpu))
+            writers[-1].add_process(1, 5100)
+            writers[-1].add_memory(1, 0, "data", 2 * GiB)
         if s < 8:
             current = {JOB: job("running")}
         elif s < 9:
             current = {JOB: job("terminated", 0, 8)}
-        elif s < 40:
-            view = job("running")
-            current = {JOB: PodView(view.identity, ("main",), None, None,
-                                    phase=restart_policy_phase, runs=(waiting,))}  # fmt: skip
+        elif s < 40 or s >= final_from:
+            current = {JOB: PodView(identity, ("main",), None, None,
+                                    phase=phase if s < final_from else "Failed",
+                                    runs=(waiting,))}  # fmt: skip
         else:
             current = {JOB: job("running", 12, last=8, restarts=1)}
-        events += scanner.scan(now_ms=T0 + s * 1000)
-    w.close()
+        with during(s, scanner) if during is not None else contextlib.nullcontext():
+            events += scanner.scan(now_ms=T0 + s * 1000)
+    for x in writers:
+        x.close()
     return events
+
+
+def billed_minute(events: list[Event]) -> tuple[Decimal, Decimal]:
+    """The Job's memory and memory-limit byte-seconds in the minute scanned, in GiB·s."""
+    agg = Aggregator(WindowSettings())
+    for i, e in enumerate(events):
+        agg.add("n1", e, offset=i)
+    minute = [r for r in agg.flush() if r.kind == "container" and r.window_start_ms == T0]
+    return (sum(r.memory_byte_seconds for r in minute) / GiB,
+            sum(r.memory_limit_byte_seconds for r in minute) / GiB)  # fmt: skip
 
 
 def test_a_restart_the_watch_shows_late_is_billed_from_the_scan_that_sees_it_written(
@@ -409,12 +438,7 @@ def test_a_restart_the_watch_shows_late_is_billed_from_the_scan_that_sees_it_wri
     # The new run's gate comes with the watch: its startedAt, put on the timeline at +12.
     assert runs == [(True, 0, "started", 0), (False, 8_000, "finished", 8_000),
                     (True, 12_000, "started", 40_000)]  # fmt: skip
-    agg = Aggregator(WindowSettings())
-    for i, e in enumerate(events):
-        agg.add("n1", e, offset=i)
-    minute = [r for r in agg.flush() if r.kind == "container" and r.window_start_ms == T0]
-    assert sum(r.memory_byte_seconds for r in minute) == GiB * 8 + 2 * GiB * 48
-    assert sum(r.memory_limit_byte_seconds for r in minute) == 4 * GiB * (8 + 48)
+    assert billed_minute(events) == (8 + 2 * 48, 4 * (8 + 48))
 
 
 def test_a_finished_pods_stale_folder_is_not_read_again(tmp_path: Path) -> None:
@@ -422,6 +446,72 @@ def test_a_finished_pods_stale_folder_is_not_read_again(tmp_path: Path) -> None:
     and a write to it (no run of the pod's) is not billed."""
     events = restart_seen_late(tmp_path, "Succeeded")
     assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0, 40_000]
+
+
+def test_a_restart_seen_late_is_tracked_through_a_scan_that_cannot_list_its_folder(
+    tmp_path: Path,
+) -> None:
+    """The folder cannot be listed (EIO) at +20, while the new run is tracked before the watch
+    shows it: what it holds is unknown then, not gone. The restart was forgotten with that
+    scan, so +21 ended the container again (`stale_container` a second time, its run stopped
+    at +8): 66 of 104 GiB·s and 112 of 224 GiB·s of limit billed."""
+
+    def unlisted(s: int, scanner: Scanner) -> contextlib.AbstractContextManager[object]:
+        if s != 20:
+            return contextlib.nullcontext()
+        folder = next(iter(scanner.discovery._held))
+        os.utime(scanner.discovery.root / folder)  # its mtime moved: listed again
+        failed = OSError(errno.EIO, os.strerror(errno.EIO))
+        return mock.patch.object(scanner.discovery, "_open_dir", side_effect=failed)
+
+    events = restart_seen_late(tmp_path, during=unlisted)
+    stale = [e.ts - T0 for e in events
+             if isinstance(e, LayoutAnomaly) and e.anomaly == "stale_container"]  # fmt: skip
+    assert stale == [8_000]
+    runs = [(e.running, e.at - T0) for e in events if isinstance(e, ContainerRun)]
+    assert runs == [(True, 0), (False, 8_000), (True, 12_000)]
+    assert billed_minute(events) == (8 + 2 * 48, 4 * (8 + 48))
+
+
+def test_a_failed_read_of_a_stale_folder_is_no_new_run(tmp_path: Path) -> None:
+    """The container ended for good (its pod runs on: another container); one read of its file
+    fails (EIO) at +20, and from +40 the pod is `Failed`. That read differed from the mark, and
+    the container was tracked again to the end of the minute: 188 GiB·s of limit for the 8 s
+    it ran. A read that is not clear tells nothing."""
+
+    def eio(s: int, scanner: Scanner) -> contextlib.AbstractContextManager[object]:
+        if s != 20:
+            return contextlib.nullcontext()
+        return mock.patch.object(os, "pread", side_effect=OSError(errno.EIO, "I/O error"))
+
+    events = restart_seen_late(tmp_path, new_run="none", final_from=40, during=eio)
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0]
+    assert billed_minute(events) == (8, 4 * 8)
+
+
+def test_a_revived_container_of_a_pod_gone_final_is_stale_again(tmp_path: Path) -> None:
+    """The new run is tracked from +12 while the watch still shows the last termination; at +40
+    the pod is `Failed` with that same status: a pod in a final phase runs nothing, so the
+    folder is stale again from then (it was tracked to the end of the minute)."""
+    events = restart_seen_late(tmp_path, final_from=40)
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0, 12_000]
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerGone)] == [8_000, 40_000]
+    assert billed_minute(events) == (8 + 2 * 28, 4 * (8 + 28))
+
+
+def test_a_new_run_that_writes_a_new_file_in_the_folder_is_tracked_at_once(
+    tmp_path: Path,
+) -> None:
+    """HAMi-core may name the file anew (a new uuid) in a new run: a file first read after its
+    folder's termination was marked, with a live slot, is the new run's. It was marked as the
+    termination instead, and tracked from +40: 48 of 104 GiB·s."""
+    events = restart_seen_late(tmp_path, new_run="new file")
+    appeared = [(e.ts - T0, e.path) for e in events if isinstance(e, ContainerAppeared)]
+    old = appeared[0][1]
+    # the new file at once; the old one (its exit marker) with the watch, as before
+    assert [(t, path == old) for t, path in appeared] == [(0, True), (12_000, False),
+                                                          (40_000, True)]  # fmt: skip
+    assert billed_minute(events)[0] == 8 + 2 * 48
 
 
 def test_a_run_the_runtime_lost_ends_when_the_watch_says_so(tmp_path: Path) -> None:

@@ -14,11 +14,16 @@ remembered in memory only, so a collector restarted after the pod was forgotten 
 again. While it is tracked, `runs` states when it runs (restarts the watch missed, a deleted pod).
 
 The kubelet's status lags a restart (a crash loop's short runs may never show `running` at
-all), so a stale folder of a pod whose phase is not final is read on each scan: its processes'
-slots (pid, host pid, status, memory) as the first stale scan read them are the termination's
-mark, and a change to them is a new run's process at work (nothing of the ended run is left to
-write), so the file is tracked again from that scan, whatever the watch says yet. A pod in a
-final phase cannot run its containers again: its folders are not read.
+all), so a stale folder of a pod whose phase is not final is read on each scan: its slots (pid,
+host pid, status, memory) as the first clear read after the termination found them are its
+mark, and a live slot the mark does not hold is a new run's process at work (nothing of the
+ended run is left to write; an exit leaves no live slot), as is a live slot in a file first
+read after the folder was marked (a new run may name its file anew). That file is tracked
+again from that scan, whatever the watch says yet, until the watch shows another state; a pod
+that reaches a final phase first ends it at that scan (the watch never said when). A read that is
+not clear (unreadable, uninitialised, torn, a garbled count) tells nothing, and a scan that
+cannot list the folder keeps its marks. A pod in a final phase cannot run its containers
+again: its folders are not read.
 
 Without the pod watch nothing is stale: every folder is billed while it exists.
 """
@@ -55,12 +60,11 @@ class PresenceStage:
         # folder, still there, stays stale
         self._ended: dict[tuple[str, str], tuple[str, str]] = {}
         # (pod uid, container, finishedAt, file) of the stale files read -> their mark (see
-        # `_mark`); (pod uid, container, finishedAt) of the terminations a new run's process has
-        # written past, so their folders are tracked again
-        self._marks: dict[tuple[str, str, str, str], tuple[object, ...]] = {}
-        self._marks_now: dict[tuple[str, str, str, str], tuple[object, ...]] = {}
-        self._restarted: set[tuple[str, str, str]] = set()
-        self._restarted_now: set[tuple[str, str, str]] = set()
+        # `_mark`), and those a new run's process has written since: tracked again
+        self._marks: dict[tuple[str, str, str, str], frozenset[SlotMark]] = {}
+        self._marks_now: dict[tuple[str, str, str, str], frozenset[SlotMark]] = {}
+        self._restarted: set[tuple[str, str, str, str]] = set()
+        self._restarted_now: set[tuple[str, str, str, str]] = set()
         self._offset_ms = 0
         self.runs = Runs(monotonic)
         self.stale = 0  # folders not billed now (gauge)
@@ -83,7 +87,13 @@ class PresenceStage:
             (uid, container): (at, folder) for (uid, container, at), folder in self._seen.items()
         }
         self._ended = kept | seen
-        self._marks, self._restarted = self._marks_now, self._restarted_now
+        # So are the marks and restarts of a folder not listed: its next listing goes on from them.
+        self._marks = self._marks_now | {
+            at: mark for at, mark in self._marks.items() if unlisted(os.path.dirname(at[3]))
+        }
+        self._restarted = self._restarted_now | {
+            at for at in self._restarted if unlisted(os.path.dirname(at[3]))
+        }
         # A termination whose folder went (or whose container runs again) is forgotten.
         self._reported &= {
             (uid, container, at) for (uid, container), (at, _) in self._ended.items()
@@ -130,15 +140,19 @@ class PresenceStage:
         if finished is None:
             return False
         key = (pod_uid, container, finished)
-        if key in self._restarted:
-            self._restarted_now.add(key)
+        file = (*key, path)
+        may_run = pv.phase not in _DONE
+        if may_run and file in self._restarted:
+            self._restarted_now.add(file)
             return False  # a new run's process writes it: tracked, whatever the watch says yet
         if cid >= 0:
-            events += self.runs.stop(cid, iso_ms(finished), now_ms, self._offset_ms, stamp,
-                                     started, last)  # fmt: skip
-        if read is not None and pv.phase not in _DONE and self._written(key, path, read):
-            self._restarted.add(key)  # (this scan's other files of the container follow it)
-            self._restarted_now.add(key)
+            # A run tracked past this termination (see `_written`) is a later one, whose end
+            # the watch has not told: it ends now.
+            end = None if file in self._restarted else iso_ms(finished)
+            events += self.runs.stop(cid, end, now_ms, self._offset_ms, stamp, started,
+                                     last)  # fmt: skip
+        if read is not None and may_run and self._written(file, read):
+            self._restarted_now.add(file)
             return False
         self._seen[key] = os.path.dirname(path)
         if key not in self._reported:
@@ -160,24 +174,42 @@ class PresenceStage:
             )
         return True
 
-    def _written(
-        self, key: tuple[str, str, str], path: str, read: Callable[[], Snapshot | None]
-    ) -> bool:
-        """Whether the file's processes changed since the first stale scan read them."""
-        at = (*key, path)
+    def _written(self, at: tuple[str, str, str, str], read: Callable[[], Snapshot | None]) -> bool:
+        """Whether a process of a new run is at work in the file: a live slot (pid, host pid,
+        status, memory) that its mark, taken at the first stale scan that read it clearly,
+        does not hold; or, in a file first read after its folder's termination was marked, any
+        live slot (a new run may create its own file). A read that is not clear (unreadable,
+        uninitialised, torn, a garbled count) tells nothing: a failed read is no new run."""
         was = self._marks.get(at)
         snap = read()
-        mark = was if snap is None else _mark(snap)  # (unreadable now: nothing to tell)
-        if mark is not None:
-            self._marks_now[at] = mark if was is None else was
-        return was is not None and mark != was
+        if snap is None or not _clear(snap):
+            if was is not None:
+                self._marks_now[at] = was
+            return False
+        now = _mark(snap)
+        if was is None:
+            self._marks_now[at] = now
+            return any(m[3] for m in now) and any(k[:3] == at[:3] for k in self._marks)
+        self._marks_now[at] = was
+        return any(m[3] for m in now - was)
 
 
-def _mark(snap: Snapshot) -> tuple[object, ...]:
+# (slot, pid, host pid, live, memory per device) of one slot
+SlotMark = tuple[int, int, int, bool, tuple[tuple[int, int], ...]]
+_UNCLEAR = frozenset(("unreadable", "not_initialized", "torn_read", "proc_num_out_of_range"))
+
+
+def _clear(snap: Snapshot) -> bool:
+    """Whether `snap` shows every slot below its count as the file holds it."""
+    return snap.layout is not None and not any(a.kind in _UNCLEAR for a in snap.anomalies)
+
+
+def _mark(snap: Snapshot) -> frozenset[SlotMark]:
     """What only a running process changes in a file: its slots' pid, host pid, status and
-    memory (HAMi-core's utilisation watcher, which writes the rest, runs in those processes)."""
-    return (
-        snap.proc_num,
-        *((p.slot, p.pid, p.hostpid, p.status, *((u.index, u.total) for u in p.devices))
-          for p in snap.procs),
+    memory (HAMi-core's utilisation watcher, which writes the rest, runs in those processes).
+    An exit (pid and status 0) is no sign of a new run: such a slot is never live."""
+    return frozenset(
+        (p.slot, p.pid, p.hostpid, p.pid != 0 and p.status != 0,
+         tuple((u.index, u.total) for u in p.devices))
+        for p in snap.procs
     )  # fmt: skip
