@@ -322,6 +322,42 @@ def test_a_shared_slot_whose_writer_and_newcomer_are_gone_is_not_billed(
         assert billed(s) == truth(w) == {0: 2 * GiB, 1: 0}  # 10, and 12's live-looking copy
 
 
+def test_with_host_proc_a_killed_newcomers_slot_ends_with_its_stale_writer(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    """As above, with `--host-proc`: the writer's host pid tells when it exits (its copy below
+    stays live-looking, and the newcomer's host pid is long gone while the writer's changes keep
+    its row vouched for). The slot is billed while the writer lives and ends with it; it was
+    billed on (7 GiB, of a node whose only live process holds 1)."""
+    proc = tmp_path / "proc"
+    root = tmp_path / "root"
+    for hostpid in (1010, 1012, 1013):
+        (proc / str(hostpid)).mkdir(parents=True)
+    w, _ = stranded(root, writers)
+    s = Scanner(root, heartbeat_s=3600, inc=1, host_proc=str(proc))
+    s.scan()
+    w.add_memory(12, 0, "data", GiB)
+    s.scan()
+    w.add_process(13, 1013)
+    w.add_memory(13, 0, "data", GiB)
+    assert kinds(s.scan()) == [("shared_slot", 2, 13)]
+    w.compact({13})
+    (proc / "1013").rmdir()
+    s.scan()
+    w.add_memory(12, 0, "data", 4 * GiB)
+    s.scan()  # (slot 2's row, its host pid gone, is judged dead for this one scan)
+    w.add_memory(12, 0, "data", GiB)
+    s.scan()
+    assert billed(s) == truth(w) == {0: 8 * GiB, 1: 0}
+    s.scan()
+    assert billed(s) == {0: 8 * GiB, 1: 0}  # 12 idles: still billed
+    w.exit(12)
+    (proc / "1012").rmdir()
+    for _ in range(2):
+        s.scan()
+        assert billed(s) == {0: GiB, 1: 0}  # 10 alone (the ground truth counts 12's copy)
+
+
 def test_two_live_slots_with_one_pid_take_the_one_its_writer_updates(
     tmp_path: Path, writers: list[FaultyWriter]
 ) -> None:

@@ -30,7 +30,7 @@ from ..layout.reader import ParseMemo, snapshot_fd
 from ..layout.snapshot import Anomaly, Snapshot, empty_snapshot
 from .clock import Clock, EventClock, Step
 from .crosscheck import CrossCheck
-from .diff import FileState, Presence, diff
+from .diff import FileState, Presence, diff, host_pid_alive
 from .discover import CacheFile, Discovery, ListingLimits, Skipped
 from .hostpids import HostPidMemory
 from .identity import IdentityStage
@@ -82,7 +82,8 @@ class Scanner:
         `host_proc` judgements are kept across restarts."""
         self.discovery = Discovery(root, listing)
         self.reuse = reuse
-        self.writer_faults = WriterFaults(writer_faults)
+        alive = None if host_proc is None else partial(host_pid_alive, host_proc)
+        self.writer_faults = WriterFaults(writer_faults, alive)
         self.heartbeat_ms = int(heartbeat_s * 1000)
         # Heartbeats go out on scans: every `heartbeat_ms` rounded up to a whole number of scan
         # intervals (scans 20 s apart send one every 40 s for 30 s, 120 s apart every 120 s),

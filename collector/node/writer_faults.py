@@ -83,8 +83,14 @@ class _Watch:
 
 
 class WriterFaults:
-    def __init__(self, settings: WriterFaultSettings | None = None) -> None:
+    def __init__(
+        self,
+        settings: WriterFaultSettings | None = None,
+        host_alive: Callable[[int], bool] | None = None,
+    ) -> None:
+        """`host_alive(hostpid)`: whether a host pid is alive (`--host-proc`), or None."""
         self.settings = settings or WriterFaultSettings()
+        self.host_alive = host_alive
         self._files: dict[FileKey, _Watch] = {}
 
     def keep(self, keys: Iterable[FileKey]) -> None:
@@ -234,8 +240,8 @@ class WriterFaults:
             )
             anomalies.append(Anomaly("shared_slot", detail, slot=k, value=now.pid))
 
-    @staticmethod
     def _beyond(
+        self,
         w: _Watch,
         fd: int,
         layout: Layout,
@@ -310,12 +316,18 @@ class WriterFaults:
                 procs.append(proc)
                 continue
             shared = w.shared.get(k)
-            if not copy_at and shared is not None and shared[:2] == (key, w.writers.get(k)):
+            if (
+                not copy_at
+                and shared is not None
+                and shared[:2] == (key, w.writers.get(k))
+                and (self.host_alive is None or shared[1][1] <= 0 or self.host_alive(shared[1][1]))
+            ):
                 # The newcomer of a `shared_slot`, since killed and compacted away with its pid
                 # left in the slot. Its stale writer's copy below is no sign of life (an exit
                 # through a stale pointer clears the slot it writes, not the copy): the slot is
                 # billed, as written, once written since it went past proc_num (its seqlock
-                # counted on), and while that writer's copy stays.
+                # counted on), and while that writer's copy stays (and, with `--host-proc`, its
+                # host pid lives).
                 was = shared[2]
                 if was is None:
                     w.shared[k] = (shared[0], shared[1], mine)
