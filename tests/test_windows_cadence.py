@@ -138,6 +138,16 @@ RESTARTS = {
         [("n1", gpu(1, 0, 0)), ("n1", gpu(2, 1, 320_000)), ("n1", restarted(2, 8_000))],
         "node", [(0, "60.000"), (60_000, "30.000"), (300_000, "40.000"), (360_000, "50.000")],
     ),
+    # The new collector's event at 30 s cuts the old one there in time; its start (20 s) comes
+    # after n2 let the windows to 690 s close. Only in a drain were both read before the cut was
+    # put in: it took effect where the late start did, the old rows ran to their cap beside the
+    # new ones (90 s observed in each window).
+    "a start read in time, an earlier one late": (
+        [("n1", gpu(1, 0, 0)), ("n1", gpu(2, 1, 30_000)),
+         ("n2", NodeDeviceSample(1, 9, 0, 700_000, [DeviceUsageRow("GPU-B", GiB, 0, 0)])),
+         ("n1", restarted(2, 20_000))],
+        "node", [(0, "60.000"), (60_000, "60.000")],
+    ),
 }  # fmt: skip
 
 

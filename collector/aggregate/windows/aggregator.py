@@ -230,7 +230,7 @@ class Aggregator:
         eff = self._effective(node, ts, source, offset, record_ts_ms)
         lowered = incs.lowered
         if lowered is not None:
-            lowered.first_eff = eff
+            lowered.starts.append((ts, eff))
         return eff
 
     def _effective(
@@ -382,6 +382,7 @@ class Aggregator:
         if cut >= target or (tr.cut is not None and tr.cut <= cut):
             return
         assert newer_inc is not None
+        applied = NEVER if tr.cut is None else tr.cut
         tr.cut = cut
         # Events of this incarnation from after the newer one started arrived before it did:
         # two collectors under one node name (nodeguard). Only the newest is billed.
@@ -390,15 +391,19 @@ class Aggregator:
             left_out = {e[2] for e in tr.pending if e[1] >= cut}
             self._guard.overlapped(tr.node, tr.inc, newer_inc, cut, left_out)
             tr.pending = kept
-        # It takes effect where the newer incarnation's first event did (the end the input
-        # let close when that came late), closed yet or not: taken from the windows closed
-        # when this ran, it depended on how often `advance()` ran.
-        eff = max(cut, self._incs.takes_effect(tr.node, newer_inc))
+        # Each start of the newer incarnation that can close now takes effect where its event
+        # did (the end the input let close when it came late), closed yet or not: taken from
+        # the windows closed when this ran, it depended on how often `advance()` ran.
         closed = self._closed
-        if closed is not None and eff < closed:
-            eff = closed  # (the start of an incarnation forgotten and seen again)
-        self._arrival += 1
-        tr.pending.append((eff, cut, -1, self._arrival, SUPERSEDE, -1))
+        starts = self._incs.starts(tr.node, newer_inc) or [(cut, -NEVER)]
+        for ts, eff in sorted(starts, reverse=True):
+            if ts >= target or ts >= applied:
+                continue  # not closable yet, or put in already (a lower one cuts first)
+            eff = max(ts, eff)
+            if closed is not None and eff < closed:
+                eff = closed  # (the start of an incarnation forgotten and seen again)
+            self._arrival += 1
+            tr.pending.append((eff, ts, -1, self._arrival, SUPERSEDE, -1))
 
     def _prune(self, closed: int) -> None:
         gap = self._gap

@@ -53,16 +53,19 @@ class Incarnation:
 
     Per incarnation the highest seq seen and the set of seqs above `highest - DEDUP_WINDOW`."""
 
-    __slots__ = ("first_eff", "first_ts", "hwm", "last_ts", "seqs")
+    __slots__ = ("first_ts", "hwm", "last_ts", "seqs", "starts")
 
     def __init__(self) -> None:
         self.hwm = -1
         self.seqs: set[int] = set()
         self.first_ts = NEVER
         self.last_ts = -NEVER
-        # The effective time of the event that set `first_ts` (the end the input let close
-        # when it came late): where the incarnation's start takes effect on its predecessor.
-        self.first_eff = -NEVER
+        # (ts, effective time) of each event that lowered `first_ts`, in the order admitted (the
+        # effective time is the end the input let close when it came late): where each start
+        # takes effect on the predecessor. An earlier start read first stays in effect when an
+        # earlier one still comes late (else a drain, which reads both before closing, cut the
+        # predecessor only where the late one took effect).
+        self.starts: list[tuple[int, int]] = []
 
     def prune(self) -> None:
         low = self.hwm - DEDUP_WINDOW
@@ -96,7 +99,7 @@ class Incarnations:
         # Nodes with more than one incarnation: only their events can be cut or overlap, so the
         # per-event checks ask this set first.
         self.several: set[str] = set()
-        # The incarnation whose `first_ts` the last `admit` lowered: its caller sets `first_eff`
+        # The incarnation whose `first_ts` the last `admit` lowered: its caller adds the start
         self.lowered: Incarnation | None = None
 
     def admit(self, node: str, inc: int, seq: int, ts: int) -> bool:
@@ -140,10 +143,10 @@ class Incarnations:
             incarnation.last_ts = ts
         return True
 
-    def takes_effect(self, node: str, inc: int) -> int:
-        """When (node, inc)'s start takes effect on its predecessor (-NEVER when unknown)."""
+    def starts(self, node: str, inc: int) -> list[tuple[int, int]]:
+        """(node, inc)'s starts as `Incarnation.starts` (none when unknown)."""
         incarnation = self._incs.get((node, inc))
-        return -NEVER if incarnation is None else incarnation.first_eff
+        return [] if incarnation is None else incarnation.starts
 
     def successor(self, node: str, inc: int) -> tuple[int, int | None]:
         """(first event time, inc) of the earliest newer incarnation of `node`, or
