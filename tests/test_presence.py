@@ -41,7 +41,7 @@ from collector.node.identity import IdentityStage
 from collector.node.pods import PodView, Run
 from collector.node.presence import PresenceStage
 from collector.node.scan import Scanner
-from collector.simulate import GiB, MiB, SimDevice, new_cache_file
+from collector.simulate import CacheWriter, GiB, MiB, SimDevice, new_cache_file
 
 JOB = "0b8e6a43-2f7e-4a6c-9d1e-6f5e1c0a9b11"
 DEP = "7c1d2e3f-4a5b-4c6d-8e9f-0a1b2c3d4e5f"
@@ -370,13 +370,15 @@ def restart_seen_late(
     new_run: str = "same file",
     final_from: int = 60,
     during: Callable[[int, Scanner], contextlib.AbstractContextManager[object]] | None = None,
+    also: Callable[[int, CacheWriter], None] | None = None,
 ) -> list[Event]:
     """The Job's process (1 GiB) exits at +8 and the watch shows its container terminated, then
     in back-off (`waiting`), until +40; the new run's process (2 GiB) starts writing the file
     (`new_run`: "same file", "new file" beside it, or "none") at +12, and the watch shows it
     running (from +12) only at +40: the kubelet's status lags. From `final_from` on the pod's
     phase is `Failed` with the back-off status unchanged. `during(s, scanner)`: a context the
-    scan of second s runs in (a fault)."""
+    scan of second s runs in (a fault). `also(s, writer)`: more of the first run's writes, made
+    before the scan of second s (its process 10 exits at +8 unless it is gone by then)."""
     root = tmp_path / "root"
     w = new_cache_file(root, JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
     writers = [w]
@@ -388,7 +390,9 @@ def restart_seen_late(
     identity = job("running").identity
     events: list[Event] = []
     for s in range(60):
-        if s == 8:
+        if also is not None:
+            also(s, w)
+        if s == 8 and w.region.procs[0].pid == 10 and w.region.procs[0].seqlock % 2 == 0:
             w.exit(10)
         if s == 12 and new_run != "none":
             if new_run == "new file":
@@ -512,6 +516,78 @@ def test_a_new_run_that_writes_a_new_file_in_the_folder_is_tracked_at_once(
     assert [(t, path == old) for t, path in appeared] == [(0, True), (12_000, False),
                                                           (40_000, True)]  # fmt: skip
     assert billed_minute(events)[0] == 8 + 2 * 48
+
+
+def test_a_restart_is_seen_behind_a_probes_exit_marker(tmp_path: Path) -> None:
+    """The first run's last process was a CUDA probe that ended before it had a host pid or
+    memory: its exit marker is the last counted slot, which a read without the file's known
+    count takes for a garbled count. Every read of the stale file was unclear, the new run's
+    first write became the mark, and it was tracked from +40: 48 of 104 GiB·s."""
+
+    def probe(s: int, w: CacheWriter) -> None:
+        if s == 3:
+            w.add_process(11)
+        if s == 5:
+            w.exit(11)
+
+    events = restart_seen_late(tmp_path, also=probe)
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0, 12_000]
+    assert billed_minute(events) == (8 + 2 * 48, 4 * (8 + 48))
+
+
+def test_a_restart_is_seen_beside_a_slot_killed_mid_update(tmp_path: Path) -> None:
+    """The first run's process was killed between its seqlock increments at +7: every read of
+    its slot is torn. A read with a torn slot was unclear, so the file got no mark, and the new
+    run was tracked from +40. The torn slot is left out of the mark, as the reader leaves it
+    out."""
+
+    def killed(s: int, w: CacheWriter) -> None:
+        if s == 7:
+            w.region.procs[0].seqlock += 1  # odd, and nobody will make it even again
+
+    events = restart_seen_late(tmp_path, also=killed)
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0, 12_000]
+
+
+def test_a_file_unreadable_when_its_folder_was_marked_is_not_a_new_runs(tmp_path: Path) -> None:
+    """Two files in the folder: one left by an earlier run whose process was SIGKILLed (its slot
+    live-looking for good), and the one of the run that ends at +8. The first could not be
+    opened (EMFILE) at the scan that marked the folder, so it was taken for a new run's file
+    at +9 and billed on (268 GiB·s of limit where 64 ran). A file seen then is not new."""
+    root = tmp_path / "root"
+    old = new_cache_file(root, JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    old.add_process(7, 4007)
+    old.add_memory(7, 0, "data", GiB)
+    w = new_cache_file(root, JOB, "main", V12, [SimDevice("GPU-a", 4 * GiB, 50)])
+    w.add_process(10, 5010)
+    w.add_memory(10, 0, "data", GiB)
+    current: dict[str, PodView] = {}
+    scanner = Scanner(root, heartbeat_s=10, inc=1, presence=PresenceStage(lambda: current))
+    waiting = Run("main", "waiting", last_finished=iso(8), restarts=1)
+    real_open = scanner.discovery.open
+
+    def emfile(f: Any) -> Any:
+        if f.path == str(old.path):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(f)
+
+    events: list[Event] = []
+    for s in range(60):
+        if s == 8:
+            w.exit(10)
+        if s < 8:
+            current = {JOB: job("running")}
+        elif s < 9:
+            current = {JOB: job("terminated", 0, 8)}
+        else:
+            current = {JOB: PodView(job("running").identity, ("main",), None, None,
+                                    phase="Running", runs=(waiting,))}  # fmt: skip
+        with mock.patch.object(scanner.discovery, "open", emfile if s == 8 else real_open):
+            events += scanner.scan(now_ms=T0 + s * 1000)
+    old.close()
+    w.close()
+    assert [e.ts - T0 for e in events if isinstance(e, ContainerAppeared)] == [0, 0]
+    assert billed_minute(events) == (16, 64)
 
 
 def test_a_run_the_runtime_lost_ends_when_the_watch_says_so(tmp_path: Path) -> None:

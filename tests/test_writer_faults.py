@@ -322,19 +322,17 @@ def test_a_shared_slot_whose_writer_and_newcomer_are_gone_is_not_billed(
         assert billed(s) == truth(w) == {0: 2 * GiB, 1: 0}  # 10, and 12's live-looking copy
 
 
-def test_with_host_proc_a_killed_newcomers_slot_ends_with_its_stale_writer(
-    tmp_path: Path, writers: list[FaultyWriter]
-) -> None:
-    """As above, with `--host-proc`: the writer's host pid tells when it exits (its copy below
-    stays live-looking, and the newcomer's host pid is long gone while the writer's changes keep
-    its row vouched for). The slot is billed while the writer lives and ends with it; it was
-    billed on (7 GiB, of a node whose only live process holds 1)."""
+def newcomer_killed_with_host_proc(
+    tmp_path: Path, writers: list[FaultyWriter], alive: tuple[int, ...]
+) -> tuple[FaultyWriter, Scanner]:
+    """`stranded`, scanned with `--host-proc` (host pids `alive` there, in tmp_path/proc);
+    12 writes past proc_num, 13 is given its slot, killed and compacted away (its host pid
+    gone), and scanned."""
     proc = tmp_path / "proc"
-    root = tmp_path / "root"
-    for hostpid in (1010, 1012, 1013):
+    for hostpid in alive:
         (proc / str(hostpid)).mkdir(parents=True)
-    w, _ = stranded(root, writers)
-    s = Scanner(root, heartbeat_s=3600, inc=1, host_proc=str(proc))
+    w, _ = stranded(tmp_path / "root", writers)
+    s = Scanner(tmp_path / "root", heartbeat_s=3600, inc=1, host_proc=str(proc))
     s.scan()
     w.add_memory(12, 0, "data", GiB)
     s.scan()
@@ -344,6 +342,18 @@ def test_with_host_proc_a_killed_newcomers_slot_ends_with_its_stale_writer(
     w.compact({13})
     (proc / "1013").rmdir()
     s.scan()
+    return w, s
+
+
+def test_with_host_proc_a_killed_newcomers_slot_ends_with_its_stale_writer(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    """As above, with `--host-proc`: the writer's host pid tells when it exits (its copy below
+    stays live-looking, and the newcomer's host pid is long gone while the writer's changes keep
+    its row vouched for). The slot is billed while the writer lives and ends with it; it was
+    billed on (7 GiB, of a node whose only live process holds 1)."""
+    proc = tmp_path / "proc"
+    w, s = newcomer_killed_with_host_proc(tmp_path, writers, (1010, 1012, 1013))
     w.add_memory(12, 0, "data", 4 * GiB)
     s.scan()  # (slot 2's row, its host pid gone, is judged dead for this one scan)
     w.add_memory(12, 0, "data", GiB)
@@ -356,6 +366,23 @@ def test_with_host_proc_a_killed_newcomers_slot_ends_with_its_stale_writer(
     for _ in range(2):
         s.scan()
         assert billed(s) == {0: GiB, 1: 0}  # 10 alone (the ground truth counts 12's copy)
+
+
+def test_with_host_proc_a_stale_writer_whose_host_pid_looks_gone_is_billed_while_it_writes(
+    tmp_path: Path, writers: list[FaultyWriter]
+) -> None:
+    """The stale writer's recorded host pid is not a live one (a slot taken over from a killed
+    process whose host-pid lookup timed out), yet it writes on: its writes vouch for it, as
+    they do for any slot (`drop_dead_hosts`). Asked of `/proc` alone, it was unbilled for good
+    (2 GiB billed of 4, 5, 6, 7)."""
+    w, s = newcomer_killed_with_host_proc(tmp_path, writers, (1010, 1013))  # 1012 never there
+    got = []
+    for _ in range(4):
+        w.add_memory(12, 0, "data", GiB)
+        s.scan()
+        got.append((billed(s)[0] // GiB, truth(w)[0] // GiB))
+    # (the first: slot 2's row, its host pid gone, is judged dead for that one scan)
+    assert got == [(2, 4), (5, 5), (6, 6), (7, 7)]
 
 
 def test_two_live_slots_with_one_pid_take_the_one_its_writer_updates(

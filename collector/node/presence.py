@@ -61,8 +61,8 @@ class PresenceStage:
         self._ended: dict[tuple[str, str], tuple[str, str]] = {}
         # (pod uid, container, finishedAt, file) of the stale files read -> their mark (see
         # `_mark`), and those a new run's process has written since: tracked again
-        self._marks: dict[tuple[str, str, str, str], frozenset[SlotMark]] = {}
-        self._marks_now: dict[tuple[str, str, str, str], frozenset[SlotMark]] = {}
+        self._marks: dict[tuple[str, str, str, str], frozenset[SlotMark] | None] = {}
+        self._marks_now: dict[tuple[str, str, str, str], frozenset[SlotMark] | None] = {}
         self._restarted: set[tuple[str, str, str, str]] = set()
         self._restarted_now: set[tuple[str, str, str, str]] = set()
         self._offset_ms = 0
@@ -180,23 +180,26 @@ class PresenceStage:
         does not hold; or, in a file first read after its folder's termination was marked, any
         live slot (a new run may create its own file). A read that is not clear (unreadable,
         uninitialised, torn, a garbled count) tells nothing: a failed read is no new run."""
+        seen = at in self._marks
         was = self._marks.get(at)
         snap = read()
         if snap is None or not _clear(snap):
-            if was is not None:
-                self._marks_now[at] = was
+            self._marks_now[at] = was  # (None: seen, not read clearly yet)
             return False
         now = _mark(snap)
         if was is None:
             self._marks_now[at] = now
-            return any(m[3] for m in now) and any(k[:3] == at[:3] for k in self._marks)
+            # A file not there when its folder was marked (one there, unreadable then, is not
+            # new: its first clear read is its mark)
+            return not seen and any(m[3] for m in now) and any(k[:3] == at[:3] for k in self._marks)
         self._marks_now[at] = was
         return any(m[3] for m in now - was)
 
 
 # (slot, pid, host pid, live, memory per device) of one slot
 SlotMark = tuple[int, int, int, bool, tuple[tuple[int, int], ...]]
-_UNCLEAR = frozenset(("unreadable", "not_initialized", "torn_read", "proc_num_out_of_range"))
+# (a torn slot is left out of the read, as the reader leaves it out: the rest is clear)
+_UNCLEAR = frozenset(("unreadable", "not_initialized", "proc_num_out_of_range"))
 
 
 def _clear(snap: Snapshot) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -114,6 +115,7 @@ class Scanner:
         self._counted: dict[FileKey, int] = {}
         # Per file, a count in range its last snapshot took for garbled (see `_read`)
         self._suspect: dict[FileKey, int] = {}
+        self._peeked: set[FileKey] = set()  # stale files `_peek` read this scan
         self._snaps: dict[FileKey, Snapshot] = {}  # the snapshot each was diffed to
         self._states: dict[FileKey, ContainerState] = {}  # as last published
         self._skipped: set[tuple[str, str, str]] = set()
@@ -210,10 +212,12 @@ class Scanner:
         self._snaps = seen
         if len(self._memos) > len(present):
             self._memos = {k: m for k, m in self._memos.items() if k in present}
+        # (a stale file read this scan keeps its count: see `_peek`)
+        peeked, self._peeked = self._peeked, set()
         if len(self._counted) > len(present):
-            self._counted = {k: n for k, n in self._counted.items() if k in present}
+            self._counted = {k: n for k, n in self._counted.items() if k in present or k in peeked}
         if self._suspect.keys() - present.keys():
-            self._suspect = {k: n for k, n in self._suspect.items() if k in present}
+            self._suspect = {k: n for k, n in self._suspect.items() if k in present or k in peeked}
         self._skipped = skipped_now
         for key in sorted(self._files.keys() - present.keys()):
             gone = self._files[key]
@@ -307,32 +311,49 @@ class Scanner:
         if memo is None and self.reuse:
             memo = self._memos[key] = ParseMemo()
         fd, st, kept = opened
-        counted = self._counted.get(key)
         faults = self.writer_faults
         try:
             ahead = None if memo is None else faults.ahead(key)
-            snap = snapshot_fd(fd, f.path, memo=memo, st=st, ahead=ahead, counted=counted)
-            n = snap.proc_num
-            if snap.anomalies and 0 <= n <= MAX_PROCS and _out_of_range(snap):
-                if self._suspect.get(key) == n != counted:
-                    # The same count, taken for garbled, as at the last scan: the writer's (a
-                    # garbled word does not stay; a collector that starts while a probe's exit
-                    # marker is the last counted slot reads one at every scan, and billed the
-                    # live processes past the marker nothing for as long as it stayed).
-                    if memo is not None:
-                        memo.last = None  # (what it holds was read with the other count)
-                    snap = snapshot_fd(fd, f.path, memo=memo, st=st, ahead=ahead, counted=n)
-                else:
-                    self._suspect[key] = n
+            snap = self._snapshot(key, fd, f.path, st, memo, ahead)
             snap = faults.check(key, fd, snap, now_s, None if memo is None else memo.past)
         finally:
             if not kept:
                 os.close(fd)
+        self._took(key, snap)
+        return snap
+
+    def _snapshot(
+        self,
+        key: FileKey,
+        fd: int,
+        path: str,
+        st: os.stat_result,
+        memo: ParseMemo | None,
+        ahead: Callable[[int], int] | None,
+    ) -> Snapshot:
+        """`snapshot_fd` with the count this file's snapshots last took for the writer's."""
+        counted = self._counted.get(key)
+        snap = snapshot_fd(fd, path, memo=memo, st=st, ahead=ahead, counted=counted)
+        n = snap.proc_num
+        if snap.anomalies and 0 <= n <= MAX_PROCS and _out_of_range(snap):
+            if self._suspect.get(key) == n != counted:
+                # The same count, taken for garbled, as at the last scan: the writer's (a
+                # garbled word does not stay; a collector that starts while a probe's exit
+                # marker is the last counted slot reads one at every scan, and billed the
+                # live processes past the marker nothing for as long as it stayed).
+                if memo is not None:
+                    memo.last = None  # (what it holds was read with the other count)
+                snap = snapshot_fd(fd, path, memo=memo, st=st, ahead=ahead, counted=n)
+            else:
+                self._suspect[key] = n
+        return snap
+
+    def _took(self, key: FileKey, snap: Snapshot) -> None:
+        """Remember the count `snap` took for the writer's (see `_snapshot`)."""
         if 0 <= snap.proc_num <= MAX_PROCS and not (snap.anomalies and _out_of_range(snap)):
             self._suspect.pop(key, None)
-            if snap.proc_num != counted:
+            if snap.proc_num != self._counted.get(key):
                 self._counted[key] = snap.proc_num
-        return snap
 
     def _peek(self, f: CacheFile) -> Snapshot | None:
         """A snapshot of `f` read afresh, for a file the scan does not track (a stale folder's:
@@ -344,11 +365,15 @@ class Scanner:
         if isinstance(opened, Skipped):
             return None
         fd, st, kept = opened
+        key = (f.path, f.dev, f.ino)
+        self._peeked.add(key)
         try:
-            return snapshot_fd(fd, f.path, st=st)
+            snap = self._snapshot(key, fd, f.path, st, None, None)
         finally:
             if not kept:
                 os.close(fd)
+        self._took(key, snap)
+        return snap
 
     def _clock_step(self, step: Step) -> Event:
         self.stats.clock_steps += 1

@@ -316,18 +316,14 @@ class WriterFaults:
                 procs.append(proc)
                 continue
             shared = w.shared.get(k)
-            if (
-                not copy_at
-                and shared is not None
-                and shared[:2] == (key, w.writers.get(k))
-                and (self.host_alive is None or shared[1][1] <= 0 or self.host_alive(shared[1][1]))
-            ):
+            if not copy_at and shared is not None and shared[:2] == (key, w.writers.get(k)):
                 # The newcomer of a `shared_slot`, since killed and compacted away with its pid
                 # left in the slot. Its stale writer's copy below is no sign of life (an exit
                 # through a stale pointer clears the slot it writes, not the copy): the slot is
                 # billed, as written, once written since it went past proc_num (its seqlock
-                # counted on), and while that writer's copy stays (and, with `--host-proc`, its
-                # host pid lives).
+                # counted on), and while that writer's copy stays; with `--host-proc`, not at a
+                # scan that finds it unwritten since the last and the writer's host pid gone (a
+                # writer whose host pid went stale still writes: its writes vouch for it).
                 was = shared[2]
                 if was is None:
                     w.shared[k] = (shared[0], shared[1], mine)
@@ -337,6 +333,10 @@ class WriterFaults:
                     mine == was or (seq is not None and _count(mine) <= _count(was))
                 ):
                     continue  # not written since: its writer may be gone
+                alive, hostpid = self.host_alive, shared[1][1]
+                if prev == mine and alive is not None and hostpid > 0 and not alive(hostpid):
+                    w.orphans.add(k)  # (looked at again next scan)
+                    continue
                 w.orphans.add(k)
                 procs.append(proc)
                 detail = (
