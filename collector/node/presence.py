@@ -17,13 +17,13 @@ The kubelet's status lags a restart (a crash loop's short runs may never show `r
 all), so a stale folder of a pod whose phase is not final is read on each scan: its slots (pid,
 host pid, status, memory) as the first clear read after the termination found them are its
 mark, and a live slot the mark does not hold is a new run's process at work (nothing of the
-ended run is left to write; an exit leaves no live slot), as is a live slot in a file first
-read after the folder was marked (a new run may name its file anew). That file is tracked
+ended run is left to write; an exit leaves no live slot), as is a live slot in a file that was
+not there when the folder was marked (a new run may name its file anew). That file is tracked
 again from that scan, whatever the watch says yet, until the watch shows another state; a pod
-that reaches a final phase first ends it at that scan (the watch never said when). A read that is
-not clear (unreadable, uninitialised, torn, a garbled count) tells nothing, and a scan that
-cannot list the folder keeps its marks. A pod in a final phase cannot run its containers
-again: its folders are not read.
+that reaches a final phase first ends it at that scan (the watch never said when). A read that
+is not clear (unreadable, uninitialised, a garbled count) tells nothing, a torn slot is left out
+of the mark as the reader leaves it out, and a scan that cannot list the folder keeps its
+marks. A pod in a final phase cannot run its containers again: its folders are not read.
 
 Without the pod watch nothing is stale: every folder is billed while it exists.
 """
@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from ..events import Event, LayoutAnomaly
 from ..layout.snapshot import Snapshot
 from .diff import FileState, Stamp
+from .discover import CacheFile
 from .pods import PodView
 from .runs import Runs, iso_ms
 
@@ -106,17 +107,16 @@ class PresenceStage:
 
     def is_stale(
         self,
-        pod_uid: str,
-        container: str,
-        path: str,
+        f: CacheFile,
         cid: int,
         now_ms: int,
         stamp: Stamp,
         events: list[Event],
-        read: Callable[[], Snapshot | None] | None = None,
+        read: Callable[[CacheFile], Snapshot | None] | None = None,
     ) -> bool:
-        """Whether the file at `path` is stale (not tracked); `read`: its snapshot, read
-        afresh (a stale folder of a pod that may restart its container is read each scan)."""
+        """Whether `f` is stale (not tracked); `read(f)`: its snapshot, read afresh (a stale
+        folder of a pod that may restart its container is read each scan)."""
+        pod_uid, container, path = f.pod_uid, f.container, f.path
         pv = self._now.get(pod_uid)
         if pv is None:
             ended = self._ended.get((pod_uid, container))
@@ -151,7 +151,7 @@ class PresenceStage:
             end = None if file in self._restarted else iso_ms(finished)
             events += self.runs.stop(cid, end, now_ms, self._offset_ms, stamp, started,
                                      last)  # fmt: skip
-        if read is not None and may_run and self._written(file, read):
+        if read is not None and may_run and self._written(file, read(f)):
             self._restarted_now.add(file)
             return False
         self._seen[key] = os.path.dirname(path)
@@ -174,15 +174,15 @@ class PresenceStage:
             )
         return True
 
-    def _written(self, at: tuple[str, str, str, str], read: Callable[[], Snapshot | None]) -> bool:
-        """Whether a process of a new run is at work in the file: a live slot (pid, host pid,
-        status, memory) that its mark, taken at the first stale scan that read it clearly,
-        does not hold; or, in a file first read after its folder's termination was marked, any
-        live slot (a new run may create its own file). A read that is not clear (unreadable,
-        uninitialised, torn, a garbled count) tells nothing: a failed read is no new run."""
+    def _written(self, at: tuple[str, str, str, str], snap: Snapshot | None) -> bool:
+        """Whether a process of a new run is at work in the file `snap` read (None: it could
+        not be read): a live slot (pid, host pid, status, memory) that its mark, taken at the
+        first clear read after the termination, does not hold; or any live slot in a file that
+        was not there when its folder was marked (a new run may create its own file). A read
+        that is not clear (unreadable, uninitialised, a garbled count) tells nothing: a failed
+        read is no new run."""
         seen = at in self._marks
         was = self._marks.get(at)
-        snap = read()
         if snap is None or not _clear(snap):
             self._marks_now[at] = was  # (None: seen, not read clearly yet)
             return False

@@ -178,13 +178,13 @@ class Scanner:
         if presence is not None:
             presence.begin(self.clock.offset_ms if now_ms is None else 0)
         now_s = time.monotonic()  # for the writer-fault checks' stuck seqlocks
+        peek = self._peek  # (stale files only)
         for f in found:
             key = (f.path, f.dev, f.ino)
             st = self._files.get(key)
             if presence is not None:
                 cid = st.cid if st is not None and st.appeared else -1
-                if presence.is_stale(f.pod_uid, f.container, f.path, cid, self._ts,
-                                     self._stamp, events, partial(self._peek, f)):  # fmt: skip
+                if presence.is_stale(f, cid, self._ts, self._stamp, events, peek):
                     self.discovery.forget(f)
                     continue  # not tracked: gone (ContainerGone below if it had appeared)
             if st is None:

@@ -333,11 +333,10 @@ class WriterFaults:
                     mine == was or (seq is not None and _count(mine) <= _count(was))
                 ):
                     continue  # not written since: its writer may be gone
+                w.orphans.add(k)  # (looked at on every scan from now on)
                 alive, hostpid = self.host_alive, shared[1][1]
                 if prev == mine and alive is not None and hostpid > 0 and not alive(hostpid):
-                    w.orphans.add(k)  # (looked at again next scan)
                     continue
-                w.orphans.add(k)
                 procs.append(proc)
                 detail = (
                     f"pid {proc.pid} (host pid {proc.hostpid}), compacted away, is in slot {k}, "
