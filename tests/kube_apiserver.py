@@ -615,6 +615,11 @@ class ApiServer:
             last_bookmark = time.monotonic()
             assert self._changed is not None
             while (left := deadline - time.monotonic()) > 0:
+                if not self.up:
+                    # (a stream that `go_down` did not see yet: one being set up as it ran)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
                 with self.lock:
                     changes = [c for c in self.history if c.rv > since]
                     now_rv = self.rv
